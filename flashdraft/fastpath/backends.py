@@ -1,0 +1,202 @@
+"""Device-aware implementations of the four calls a Gated DeltaNet layer makes.
+
+transformers picks each implementation once, at import, and silently keeps the torch fallback when an import
+fails (or, on a machine without a GPU, keeps an fla kernel that then crashes). The callables built here decide
+per call instead: the fast kernel when the inputs are on a CUDA device it supports, the layer's own torch
+reference otherwise — and they say which they used (and why) to an active probe (see probe.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from flashdraft.fastpath import record
+
+CONV_FN, CONV_UPDATE, CHUNK_RULE, RECURRENT_RULE = OPS = (
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+    "chunk_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule",
+)
+
+# Implementation names, as they appear in probe reports.
+FLASHDRAFT_TRITON = "flashdraft-triton"
+DAO_CUDA = "causal-conv1d-cuda"
+FLA = "fla"
+TORCH = "torch"
+
+FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CONV_BACKENDS = ("auto", "flashdraft", "dao", "torch")
+
+
+@functools.cache
+def import_status(module: str) -> tuple[object | None, str]:
+    """(module or None, reason) — the import is attempted once per process."""
+    try:
+        return importlib.import_module(module), ""
+    except Exception as exc:  # any failure (ImportError, a broken build's NameError, ...) means "not usable"
+        return None, f"{module} not importable ({type(exc).__name__}: {exc})"
+
+
+def _fla_ops():
+    mod, why = import_status("fla.ops.gated_delta_rule")
+    return (mod.chunk_gated_delta_rule, mod.fused_recurrent_gated_delta_rule) if mod else (None, None), why
+
+
+def _device_reason(*tensors: torch.Tensor) -> str:
+    """Why the fast kernels cannot take these tensors, or '' if they can."""
+    for t in tensors:
+        if t is not None and t.device.type != "cuda":
+            return f"fallback: no CUDA device (tensor on {t.device.type})"
+    return ""
+
+
+@dataclass(frozen=True)
+class TorchFallbacks:
+    """The torch reference functions of one modeling module (its own, so numerics match the unpatched model)."""
+
+    conv_fn: Callable
+    conv_update: Callable
+    chunk_rule: Callable
+    recurrent_rule: Callable
+
+
+def _unwrap(fn):
+    return inspect.unwrap(fn) if fn is not None else None
+
+
+def torch_fallbacks(module) -> TorchFallbacks:
+    """Find the torch reference implementations in a modeling module of either transformers generation."""
+    from flashdraft.kernels import causal_conv1d_ref, causal_conv1d_update_ref
+
+    chunk = _unwrap(getattr(module, "torch_chunk_gated_delta_rule"))
+    recurrent = _unwrap(getattr(module, "torch_recurrent_gated_delta_rule"))
+    # 5.15+: the decorated functions wrap the torch code; 5.2-5.14 has no torch conv_fn (the layer calls nn.Conv1d).
+    conv_fn = getattr(module, "causal_conv1d_fn", None)
+    conv_fn = _unwrap(conv_fn) if conv_fn is not None and getattr(conv_fn, "__wrapped__", None) else None
+    conv_update = getattr(module, "torch_causal_conv1d_update", None) or _unwrap(getattr(module, "causal_conv1d_update"))
+    if conv_update is not None and not conv_update.__module__.startswith("transformers"):
+        conv_update = None
+    return TorchFallbacks(
+        conv_fn=_reference_conv_fn(causal_conv1d_ref, conv_fn),
+        conv_update=conv_update or _reference_conv_update(causal_conv1d_update_ref),
+        chunk_rule=chunk,
+        recurrent_rule=recurrent,
+    )
+
+
+def _reference_conv_fn(ref, transformers_fn=None):
+    # transformers' own torch conv ignores seq_idx (packed sequences would mix); ours honours it.
+    def conv_fn(x, weight, bias=None, activation=None, seq_idx=None, **_):
+        if transformers_fn is not None and seq_idx is None:
+            return transformers_fn(x, weight, bias, activation=activation)
+        return ref(x, weight, bias, seq_idx=seq_idx, activation=activation)
+
+    return conv_fn
+
+
+def _reference_conv_update(ref):
+    def conv_update(x, conv_state, weight, bias=None, activation=None, **_):
+        return ref(x, conv_state, weight, bias, activation=activation)
+
+    return conv_update
+
+
+def _conv_kernels(conv_backend: str):
+    """(impl name, causal_conv1d_fn, causal_conv1d_update, reason-if-unavailable) for a conv backend choice."""
+    if conv_backend not in CONV_BACKENDS:
+        raise ValueError(f"conv_backend must be one of {CONV_BACKENDS}, got {conv_backend!r}")
+    if conv_backend == "torch":
+        return TORCH, None, None, "fallback: conv_backend='torch' requested"
+    if conv_backend == "dao":
+        mod, why = import_status("causal_conv1d")
+        if mod is None:
+            return DAO_CUDA, None, None, f"fallback: {why}"
+        return DAO_CUDA, mod.causal_conv1d_fn, mod.causal_conv1d_update, ""
+    # auto / flashdraft: ours. It measured at or above Dao's CUDA kernel (bench/RESULTS.md) and needs no build.
+    from flashdraft import kernels
+
+    return FLASHDRAFT_TRITON, kernels.causal_conv1d_fn, kernels.causal_conv1d_update, ""
+
+
+def make_backends(fallbacks: TorchFallbacks, conv_backend: str = "auto") -> dict[str, Callable]:
+    """The four device-aware callables, keyed by op name, with the union of both generations' signatures."""
+    conv_name, fast_conv_fn, fast_conv_update, conv_missing = _conv_kernels(conv_backend)
+    (fla_chunk, fla_recurrent), fla_missing = _fla_ops()
+    fla_missing = f"fallback: {fla_missing}" if fla_missing else ""
+
+    def conv_reason(x):
+        if conv_missing:
+            return conv_missing
+        if conv_name == FLASHDRAFT_TRITON:
+            from flashdraft.kernels.causal_conv1d import triton_available_for
+
+            if not triton_available_for(x):
+                return _device_reason(x) or "fallback: Triton unavailable for this tensor"
+            return ""
+        return _device_reason(x)
+
+    def causal_conv1d_fn(x=None, weight=None, bias=None, activation=None, seq_idx=None, hidden_states=None, **_):
+        x = hidden_states if x is None else x
+        why = conv_reason(x)
+        record.note(CONV_FN, TORCH if why else conv_name, why)
+        if why:
+            return fallbacks.conv_fn(x, weight, bias, activation=activation, seq_idx=seq_idx)
+        return fast_conv_fn(x, weight, bias, seq_idx=seq_idx, activation=activation)
+
+    def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, **_):
+        why = conv_reason(x)
+        record.note(CONV_UPDATE, TORCH if why else conv_name, why)
+        if why:
+            return fallbacks.conv_update(x, conv_state, weight, bias, activation)
+        return fast_conv_update(x, conv_state, weight, bias, activation)
+
+    def rule_reason(q):
+        if fla_missing:
+            return fla_missing
+        why = _device_reason(q)
+        if not why and q.dtype not in FLA_DTYPES:
+            why = f"fallback: dtype {q.dtype} not supported by fla"
+        return why
+
+    def chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+        cu_seqlens=None, **_,
+    ):  # fmt: skip
+        why = rule_reason(q)
+        record.note(CHUNK_RULE, TORCH if why else FLA, why)
+        fn = fallbacks.chunk_rule if why else fla_chunk
+        kwargs = {} if why else {"cu_seqlens": cu_seqlens}
+        return fn(
+            q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs,
+        )  # fmt: skip
+
+    def fused_recurrent_gated_delta_rule(
+        q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+        cu_seqlens=None, **_,
+    ):  # fmt: skip
+        why = rule_reason(q)
+        record.note(RECURRENT_RULE, TORCH if why else FLA, why)
+        fn = fallbacks.recurrent_rule if why else fla_recurrent
+        kwargs = {} if why else {"cu_seqlens": cu_seqlens}
+        return fn(
+            q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs,
+        )  # fmt: skip
+
+    backends = {
+        CONV_FN: causal_conv1d_fn,
+        CONV_UPDATE: causal_conv1d_update,
+        CHUNK_RULE: chunk_gated_delta_rule,
+        RECURRENT_RULE: fused_recurrent_gated_delta_rule,
+    }
+    for fn in backends.values():
+        fn.__flashdraft_backend__ = True
+    return backends

@@ -1,0 +1,306 @@
+"""`flashdraft doctor`: is every fast path of a hybrid target active here, and if not, what to do.
+
+Each check has a status (ok / warn / fail / info), a one-line detail and a one-line fix. With a model (a tiny
+hybrid by default) the per-layer probe table is part of the verdict. Exit code 0 only when the fast path is
+complete; on a machine without a CUDA device it cannot be, and doctor says so.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+# Known causal-conv1d build failures (pip log text) -> (meaning, fix). Matched by `diagnose_build_log`.
+BUILD_FAILURES = [
+    (
+        r"NameError: name 'bare_metal_version' is not defined",
+        "no nvcc: causal-conv1d's setup.py reads the CUDA compiler version outside its `CUDA_HOME` check",
+        "not needed with flashdraft (its Triton conv replaces it); otherwise install the CUDA toolkit and set CUDA_HOME",
+    ),
+    (
+        r"CUDA_HOME environment variable is not set|CUDA_HOME.*(not set|None)",
+        "CUDA_HOME is unset, so the extension cannot find nvcc",
+        "export CUDA_HOME=/usr/local/cuda (or skip causal-conv1d: flashdraft does not need it)",
+    ),
+    (
+        r"The detected CUDA version \(.*\) mismatches the version that was used to compile\s*PyTorch",
+        "nvcc's CUDA version differs from the one torch was built with",
+        "use an nvcc matching torch.version.cuda, or skip causal-conv1d (flashdraft does not need it)",
+    ),
+    (
+        r"No module named 'wheel'|invalid command 'bdist_wheel'",
+        "pip's isolated build environment lacks the undeclared `wheel` build dependency",
+        "pip install wheel && pip install --no-build-isolation causal-conv1d (or skip it: flashdraft does not need it)",
+    ),
+    (
+        r"No module named 'torch'",
+        "the isolated build environment has no torch (causal-conv1d does not declare it)",
+        "pip install --no-build-isolation causal-conv1d (or skip it: flashdraft does not need it)",
+    ),
+    (
+        r"(urlopen error|Connection refused|Temporary failure in name resolution|HTTPError).*",
+        "setup.py tried to download a prebuilt wheel from GitHub and had no network; it then compiles for ~10 archs",
+        "expect a multi-minute compile, or skip causal-conv1d: flashdraft does not need it",
+    ),
+]
+
+
+def diagnose_build_log(text: str) -> list[tuple[str, str]]:
+    """(meaning, fix) for every known causal-conv1d build failure found in a pip log."""
+    return [(meaning, fix) for pattern, meaning, fix in BUILD_FAILURES if re.search(pattern, text)]
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_gpu() -> list[Check]:
+    if not torch.cuda.is_available():
+        return [
+            Check(
+                "gpu",
+                FAIL,
+                "no CUDA device: the fast kernels cannot run; CPU runs use the torch reference (correct, slow)",
+                "run on a machine with an NVIDIA GPU (compute capability >= 8.0) to train at speed",
+            )
+        ]
+    major, minor = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    status = OK if major >= 8 else WARN
+    fix = "" if status == OK else "fla's kernels are tuned for sm_80+; expect lower speed"
+    return [Check("gpu", status, f"{name}, compute capability {major}.{minor}", fix)]
+
+
+def check_torch() -> Check:
+    cuda = torch.version.cuda
+    detail = f"torch {torch.__version__}, built for CUDA {cuda}" if cuda else f"torch {torch.__version__} (CPU build)"
+    if cuda is None and torch.cuda.device_count() == 0 and shutil.which("nvidia-smi"):
+        return Check("torch", FAIL, detail + " but an NVIDIA driver is present", "pip install a CUDA build of torch")
+    return Check("torch", OK, detail)
+
+
+def check_driver() -> Check:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return Check("driver", INFO if not torch.cuda.is_available() else WARN, "nvidia-smi not found", "")
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        )
+        version = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "?"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return Check("driver", WARN, f"nvidia-smi failed: {exc}", "check the NVIDIA driver installation")
+    return Check("driver", OK, f"NVIDIA driver {version}")
+
+
+def check_triton() -> Check:
+    version = _version("triton")
+    if version is None:
+        return Check("triton", FAIL, "triton not installed", "pip install 'triton>=3.5,<3.7'")
+    if not torch.cuda.is_available():
+        return Check("triton", INFO, f"triton {version}; no CUDA device to compile for", "")
+    try:
+        from flashdraft.kernels import causal_conv1d_fn, causal_conv1d_ref
+
+        x = torch.randn(2, 64, 37, device="cuda")
+        w = torch.randn(64, 4, device="cuda")
+        err = (causal_conv1d_fn(x, w, activation="silu") - causal_conv1d_ref(x, w, activation="silu")).abs().max()
+        if not err < 1e-3:
+            return Check("triton", FAIL, f"triton {version}: our conv kernel compiled but is wrong (err {err:.2e})",
+                         "report this with `flashdraft doctor --json`")  # fmt: skip
+    except Exception as exc:
+        return Check("triton", FAIL, f"triton {version} cannot compile for this GPU: {type(exc).__name__}: {exc}",
+                     "install a triton matching your torch (pip install 'triton>=3.5,<3.7')")  # fmt: skip
+    return Check("triton", OK, f"triton {version} compiles and runs flashdraft's causal_conv1d on this GPU")
+
+
+def check_fla() -> Check:
+    from flashdraft.fastpath.backends import import_status
+
+    mod, why = import_status("fla.ops.gated_delta_rule")
+    version = _version("fla-core") or _version("flash-linear-attention")
+    if mod is None:
+        return Check("fla-core", FAIL, why, "pip install fla-core==0.6.0 (pure Python + Triton; no build)")
+    if not torch.cuda.is_available():
+        return Check("fla-core", INFO, f"fla-core {version} importable; its kernels need a CUDA device", "")
+    try:
+        q, k, v = (torch.nn.functional.normalize(torch.randn(1, 16, 2, 32, device="cuda"), dim=-1) for _ in range(3))
+        g = -torch.rand(1, 16, 2, device="cuda")
+        beta = torch.rand(1, 16, 2, device="cuda")
+        mod.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)
+    except Exception as exc:
+        return Check("fla-core", FAIL, f"fla-core {version} imports but its kernel failed: {exc}",
+                     "check triton/torch versions against fla-core's requirements")  # fmt: skip
+    return Check("fla-core", OK, f"fla-core {version}: gated delta rule kernels run on this GPU")
+
+
+def check_causal_conv1d() -> Check:
+    """The pip package is optional. If absent, predict whether building it here would fail, and why."""
+    from flashdraft.fastpath.backends import import_status
+
+    version = _version("causal-conv1d")
+    mod, why = import_status("causal_conv1d")
+    if mod is not None:
+        return Check("causal-conv1d", OK, f"causal-conv1d {version} importable (optional; flashdraft's Triton conv is used by default)")
+    nvcc = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
+                                     if os.environ.get("CUDA_HOME") else None)  # fmt: skip
+    problems = []
+    if nvcc is None or not os.path.exists(nvcc):
+        problems.append("no nvcc -> its setup.py fails with `NameError: name 'bare_metal_version' is not defined`")
+    elif torch.version.cuda:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        m = re.search(r"release (\d+\.\d+)", out)
+        if m and m.group(1).split(".")[0] != torch.version.cuda.split(".")[0]:
+            problems.append(f"nvcc {m.group(1)} vs torch CUDA {torch.version.cuda} -> 'detected CUDA version mismatches'")
+    if not os.environ.get("CUDA_HOME") and nvcc is None:
+        problems.append("CUDA_HOME unset")
+    if _version("wheel") is None:
+        problems.append("no `wheel` -> build isolation fails; needs --no-build-isolation")
+    detail = "not installed (not needed: flashdraft's Triton causal_conv1d is a drop-in replacement)"
+    if version is not None:
+        detail = f"causal-conv1d {version} installed but not importable: {why}"
+    if problems:
+        detail += "; building it here would fail: " + "; ".join(problems)
+    return Check("causal-conv1d", INFO, detail, "nothing to do: flashdraft does not need it")
+
+
+def transformers_generation(version: str) -> str:
+    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", version).groups())
+    if (major, minor) < (5, 2):
+        return "unsupported (< 5.2)"
+    if (major, minor) <= (5, 14):
+        return "5.2-5.14: kernels imported at module import; per-layer attributes"
+    return "5.15+: hub-kernel decorator resolves each function once at import; module globals"
+
+
+def check_transformers() -> Check:
+    import transformers
+
+    gen = transformers_generation(transformers.__version__)
+    status = FAIL if gen.startswith("unsupported") else OK
+    return Check("transformers", status, f"transformers {transformers.__version__} — {gen}",
+                 "pip install 'transformers>=5.2,<5.25'" if status == FAIL else "")  # fmt: skip
+
+
+def build_probe_model(spec: str | None, probe_layers: int = 4):
+    """A model to probe: a tiny family name, a config.json, or a model directory (random weights, first layers)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from flashdraft.tiny_configs import ALL_FAMILIES, build_tiny_target
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if spec is None or spec in ALL_FAMILIES:
+        return build_tiny_target(spec or "qwen3_5", dtype=dtype, device=device)
+    path = spec
+    if os.path.isfile(path):
+        config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)) or ".")
+    elif os.path.isdir(path):
+        config = AutoConfig.from_pretrained(path)
+    else:
+        raise FileNotFoundError(f"--model {spec!r}: not a tiny family ({', '.join(ALL_FAMILIES)}), file or directory")
+    config = config.get_text_config()
+    n = min(probe_layers, config.num_hidden_layers)
+    config.num_hidden_layers = n
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:n]
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def run_doctor(model_spec: str | None = None, probe_layers: int = 4) -> dict:
+    from flashdraft import fastpath
+
+    checks = [*check_gpu(), check_torch(), check_driver(), check_triton(), check_fla(), check_causal_conv1d(),
+              check_transformers()]  # fmt: skip
+    layers: list[dict] = []
+    report = None
+    if model_spec is not None and model_spec not in _tiny_families() and not os.path.exists(model_spec):
+        raise FileNotFoundError(f"--model {model_spec!r}: not a tiny family ({', '.join(_tiny_families())}), "
+                                "config.json or model directory")  # fmt: skip
+    try:
+        model = build_probe_model(model_spec, probe_layers)
+        report = fastpath.enable(model, strict=False)
+        layers = report.to_dict()["layers"]
+        if report.ok:
+            checks.append(Check("probe", OK, f"all {len(report.layers)} linear-attention layers ran fast kernels"))
+        else:
+            detail = report.failure_message().replace("\n", "; ")
+            checks.append(Check("probe", FAIL, detail, _probe_fix(report)))
+    except Exception as exc:
+        checks.append(Check("probe", FAIL, f"could not build or probe the model: {type(exc).__name__}: {exc}",
+                            "pass --model with a config.json or model directory of a supported family"))  # fmt: skip
+    ok = all(c.status != FAIL for c in checks)
+    return {"ok": ok, "checks": [asdict(c) for c in checks], "layers": layers, "_report": report}
+
+
+def _tiny_families():
+    from flashdraft.tiny_configs import ALL_FAMILIES
+
+    return ALL_FAMILIES
+
+
+def _probe_fix(report) -> str:
+    text = report.failure_message()
+    if "no CUDA device" in text:
+        return "run on a GPU; on a CPU the torch reference is used (correct, slow)"
+    if "fla" in text and "not importable" in text:
+        return "pip install fla-core==0.6.0"
+    return "see the per-layer table; `flashdraft.fastpath.enable(model)` patches every layer"
+
+
+def main(argv_json: bool, model_spec: str | None, probe_layers: int = 4, build_log: str | None = None) -> int:
+    result = run_doctor(model_spec, probe_layers)
+    report = result.pop("_report")
+    if build_log:
+        with open(build_log, errors="replace") as fh:
+            found = diagnose_build_log(fh.read())
+        result["build_log"] = [{"meaning": m, "fix": f} for m, f in found]
+    if argv_json:
+        print(json.dumps(result, indent=1))
+        return 0 if result["ok"] else 1
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title="flashdraft doctor")
+    for col in ("check", "status", "detail", "fix"):
+        table.add_column(col, overflow="fold")
+    colour = {OK: "green", WARN: "yellow", FAIL: "red", INFO: "cyan"}
+    for c in result["checks"]:
+        table.add_row(c["name"], f"[{colour[c['status']]}]{c['status']}[/]", c["detail"], c["fix"])
+    console.print(table)
+    if report is not None and report.layers:
+        console.print(report.table())
+    for item in result.get("build_log", []):
+        console.print(f"[yellow]build log:[/] {item['meaning']} — fix: {item['fix']}")
+    verdict = "[green]fast path complete[/]" if result["ok"] else "[red]fast path incomplete[/] (exit 1)"
+    console.print(verdict)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main("--json" in sys.argv, None))

@@ -1,0 +1,114 @@
+"""Point every Gated DeltaNet layer of a transformers model at flashdraft's device-aware backends.
+
+Two generations of transformers look the four functions up in different places:
+- 5.2-5.14: per layer, in instance attributes set at `__init__` from the module's import-time imports.
+- 5.15+:    in the modeling module's globals, resolved once at import by `use_kernel_func_from_hub_with_fallback`.
+We patch exactly where the running version looks, so the import order and whether the pip `causal-conv1d`
+is installed do not matter. Model families are recognised by their layer class, not by name lists: every
+`*GatedDeltaNet` layer of qwen3_5, qwen3_5_moe and qwen3_next follows one of the two patterns.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from flashdraft.fastpath.backends import (
+    CHUNK_RULE,
+    CONV_FN,
+    CONV_UPDATE,
+    OPS,
+    RECURRENT_RULE,
+    make_backends,
+    torch_fallbacks,
+)
+
+INSTANCE, GLOBALS = "instance-attributes (transformers 5.2-5.14)", "module-globals (transformers 5.15+)"
+_INSTANCE_ATTRS = {
+    CONV_FN: "causal_conv1d_fn",
+    CONV_UPDATE: "causal_conv1d_update",
+    CHUNK_RULE: "chunk_gated_delta_rule",
+    RECURRENT_RULE: "recurrent_gated_delta_rule",
+}
+_GLOBAL_NAMES = {
+    CONV_FN: "causal_conv1d_fn",
+    CONV_UPDATE: "causal_conv1d_update",
+    CHUNK_RULE: "torch_chunk_gated_delta_rule",
+    RECURRENT_RULE: "torch_recurrent_gated_delta_rule",
+}
+# The unpatched functions of each module, captured before our first patch (fallbacks are built from them).
+_ORIGINAL_GLOBALS: dict[str, dict[str, object]] = {}
+
+
+def linear_attention_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """(layer index, module) of every Gated DeltaNet layer, in layer order."""
+    found = [(m.layer_idx, m) for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    return sorted(found, key=lambda pair: pair[0])
+
+
+def generation_of(layer: torch.nn.Module) -> str:
+    return INSTANCE if hasattr(layer, _INSTANCE_ATTRS[CHUNK_RULE]) else GLOBALS
+
+
+def modeling_module(layer: torch.nn.Module):
+    return sys.modules[type(layer).__module__]
+
+
+def entry_points(layer: torch.nn.Module) -> dict[str, tuple[object, str]]:
+    """op -> (owner, attribute name): where this layer looks each op up at call time."""
+    if generation_of(layer) == INSTANCE:
+        return {op: (layer, _INSTANCE_ATTRS[op]) for op in OPS}
+    module = modeling_module(layer)
+    return {op: (module, _GLOBAL_NAMES[op]) for op in OPS}
+
+
+def _originals(module) -> dict[str, object]:
+    if module.__name__ not in _ORIGINAL_GLOBALS:
+        _ORIGINAL_GLOBALS[module.__name__] = {name: getattr(module, name, None) for name in _GLOBAL_NAMES.values()}
+    return _ORIGINAL_GLOBALS[module.__name__]
+
+
+class _OriginalView:
+    """The module as it was before flashdraft patched it (for finding its torch fallbacks)."""
+
+    def __init__(self, module):
+        self._module, self._saved = module, _originals(module)
+
+    def __getattr__(self, name):
+        return self._saved[name] if name in self._saved else getattr(self._module, name)
+
+
+def patch_model(model: torch.nn.Module, conv_backend: str = "auto") -> str | None:
+    """Patch every linear-attention layer of `model`; return its transformers generation (None: no such layers)."""
+    layers = linear_attention_layers(model)
+    backends_by_module: dict[str, dict] = {}
+    generation = None
+    for _, layer in layers:
+        module = modeling_module(layer)
+        if module.__name__ not in backends_by_module:
+            backends_by_module[module.__name__] = make_backends(torch_fallbacks(_OriginalView(module)), conv_backend)
+        backends = backends_by_module[module.__name__]
+        generation = generation_of(layer)
+        for op, (owner, name) in entry_points(layer).items():
+            setattr(owner, name, backends[op])
+    return generation
+
+
+def unpatch_model(model: torch.nn.Module) -> None:
+    """Undo `patch_model` (module globals restored; 5.2-5.14 layers get their import-time choice back)."""
+    for _, layer in linear_attention_layers(model):
+        module = modeling_module(layer)
+        saved = _originals(module)
+        if generation_of(layer) == GLOBALS:
+            for name, fn in saved.items():
+                setattr(module, name, fn)
+        else:
+            layer.causal_conv1d_fn = getattr(module, "causal_conv1d_fn", None)
+            layer.causal_conv1d_update = getattr(module, "causal_conv1d_update", None) or module.torch_causal_conv1d_update
+            layer.chunk_gated_delta_rule = (
+                getattr(module, "chunk_gated_delta_rule", None) or module.torch_chunk_gated_delta_rule
+            )
+            layer.recurrent_gated_delta_rule = (
+                getattr(module, "fused_recurrent_gated_delta_rule", None) or module.torch_recurrent_gated_delta_rule
+            )

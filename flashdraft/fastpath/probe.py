@@ -1,0 +1,246 @@
+"""Per-layer proof of which implementation each Gated DeltaNet call really used.
+
+The probe runs a short prefill and one cached decode step through the model and records, for every
+linear-attention layer, the implementation behind each of its four calls — whatever put it there
+(flashdraft's patch, transformers' import-time choice, or nothing).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from flashdraft.fastpath import record
+from flashdraft.fastpath.backends import DAO_CUDA, FLA, FLASHDRAFT_TRITON, OPS, TORCH
+from flashdraft.fastpath.patch import GLOBALS, INSTANCE, entry_points, generation_of, linear_attention_layers
+
+NOT_CALLED = "not called"
+
+
+@dataclass
+class OpUse:
+    impl: str
+    reason: str = ""
+
+    @property
+    def fast(self) -> bool:
+        return self.impl not in (TORCH, NOT_CALLED) and not self.impl.startswith("error")
+
+
+@dataclass
+class LayerUse:
+    index: int
+    ops: dict[str, OpUse]
+
+    @property
+    def fast(self) -> bool:
+        return all(use.fast for use in self.ops.values())
+
+
+@dataclass
+class FastPathReport:
+    transformers_version: str
+    generation: str | None
+    device: str
+    dtype: str
+    attention: str
+    layers: list[LayerUse] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and all(layer.fast for layer in self.layers)
+
+    def fallbacks(self) -> dict[str, list[int]]:
+        """reason -> layers whose calls fell back for it."""
+        out: dict[str, list[int]] = {}
+        for layer in self.layers:
+            for op, use in layer.ops.items():
+                if not use.fast:
+                    key = f"{op}: {use.impl}" + (f" ({use.reason})" if use.reason else "")
+                    out.setdefault(key, [])
+                    if layer.index not in out[key]:
+                        out[key].append(layer.index)
+        return out
+
+    def failure_message(self) -> str:
+        lines = [f"fast path incomplete on {len(self.slow_layers())} of {len(self.layers)} linear-attention layers"]
+        if self.error:
+            lines.append(f"probe error: {self.error}")
+        for reason, layers in self.fallbacks().items():
+            lines.append(f"  layers {_ranges(layers)}: {reason}")
+        return "\n".join(lines)
+
+    def slow_layers(self) -> list[int]:
+        return [layer.index for layer in self.layers if not layer.fast]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ok"] = self.ok
+        d["layers"] = [
+            {"index": layer.index, "fast": layer.fast, "ops": {op: asdict(use) | {"fast": use.fast}
+                                                               for op, use in layer.ops.items()}}
+            for layer in self.layers
+        ]  # fmt: skip
+        return d
+
+    def table(self):
+        from rich.table import Table
+
+        table = Table(title=f"fast path per layer — {self.device}, {self.dtype}, transformers {self.transformers_version}")
+        table.add_column("layer", justify="right")
+        for op in OPS:
+            table.add_column(op)
+        for layer in self.layers:
+            cells = [f"[green]{u.impl}[/]" if u.fast else f"[red]{u.impl}[/]" for u in layer.ops.values()]
+            table.add_row(str(layer.index), *cells)
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=140, record=True, file=_NullIO(), force_terminal=False)
+        console.print(self.table())
+        summary = "all fast" if self.ok else self.failure_message()
+        return console.export_text() + f"attention: {self.attention}; lookup: {self.generation}\n{summary}\n"
+
+
+class _NullIO:
+    def write(self, _):
+        return 0
+
+    def flush(self):
+        pass
+
+
+def _ranges(indices: list[int]) -> str:
+    indices = sorted(indices)
+    parts, start = [], None
+    for i, x in enumerate(indices):
+        if start is None:
+            start = x
+        if i + 1 == len(indices) or indices[i + 1] != x + 1:
+            parts.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ",".join(parts)
+
+
+def describe(fn) -> tuple[str, str]:
+    """Classify a callable that flashdraft did not install: (implementation, reason)."""
+    if fn is None:
+        return TORCH, "no causal-conv1d at import: the layer runs nn.Conv1d"
+    # transformers 5.15+ wraps the chosen implementation in a closure cell called `implementation`.
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    if code is not None and "implementation" in code.co_freevars:
+        fn = cells[code.co_freevars.index("implementation")].cell_contents
+    module = getattr(fn, "__module__", "") or ""
+    if module.startswith("fla"):
+        return FLA, "chosen by transformers at import"
+    if module.startswith("causal_conv1d"):
+        return DAO_CUDA, "chosen by transformers at import"
+    if module.startswith("flashdraft"):
+        return FLASHDRAFT_TRITON, ""
+    return TORCH, "fallback: chosen by transformers at import (fast package missing or failed to import)"
+
+
+def _tracer(op: str, fn):
+    impl, reason = describe(fn)
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        record.note(op, impl, reason)
+        return fn(*args, **kwargs)
+
+    return traced
+
+
+def probe(model: torch.nn.Module, num_tokens: int = 8) -> FastPathReport:
+    """Run a short prefill and one cached decode step; return which implementation each call used, per layer."""
+    import transformers
+
+    param = next(model.parameters())
+    config = getattr(model, "config", None)
+    report = FastPathReport(
+        transformers_version=transformers.__version__,
+        generation=None,
+        device=str(param.device),
+        dtype=str(param.dtype).replace("torch.", ""),
+        attention=str(getattr(config, "_attn_implementation", "?")),
+    )
+    layers = linear_attention_layers(model)
+    if not layers:
+        return report
+    report.generation = generation_of(layers[0][1])
+
+    restore: list[tuple[object, str, object]] = []
+    static: dict[int, dict[str, OpUse]] = {}
+    for idx, layer in layers:
+        for op, (owner, name) in entry_points(layer).items():
+            fn = getattr(owner, name, None)
+            if getattr(fn, "__flashdraft_backend__", False):
+                continue  # our backends note their own per-call choice
+            if fn is None:  # 5.2-5.14 without causal-conv1d: the layer calls nn.Conv1d directly
+                static.setdefault(idx, {})[op] = OpUse(*describe(None))
+                continue
+            if any(o is owner and n == name for o, n, _ in restore):
+                continue  # a module global shared by many layers: wrap it once
+            restore.append((owner, name, fn))
+            setattr(owner, name, _tracer(op, fn))
+
+    with record.listening() as log:
+        hooks = []
+        for idx, layer in layers:
+            hooks.append(layer.register_forward_pre_hook(functools.partial(_enter, log, idx)))
+            hooks.append(layer.register_forward_hook(functools.partial(_leave, log)))
+        try:
+            _run(model, param.device, num_tokens)
+        except Exception as exc:  # report, do not hide: a fast kernel that crashes is not a fast path
+            report.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            if log.layer is not None:
+                log.add("error", "error", report.error)
+        finally:
+            for h in hooks:
+                h.remove()
+            for owner, name, fn in restore:
+                setattr(owner, name, fn)
+
+    for idx, _ in layers:
+        seen = log.calls.get(idx, {})
+        ops = {}
+        for op in OPS:
+            if op in static.get(idx, {}):
+                ops[op] = static[idx][op]
+            elif op in seen:
+                impls = {impl for impl, _ in seen[op]}
+                impl, reason = seen[op][-1] if len(impls) == 1 else ("mixed: " + "+".join(sorted(impls)), "")
+                ops[op] = OpUse(impl, reason)
+            elif "error" in seen:
+                ops[op] = OpUse("error", seen["error"][0][1])
+            else:
+                ops[op] = OpUse(NOT_CALLED, "the probe did not reach this call")
+        report.layers.append(LayerUse(idx, ops))
+    return report
+
+
+def _enter(log: record.CallLog, idx: int, *_):
+    log.layer = idx
+
+
+def _leave(log: record.CallLog, *_):
+    log.layer = None
+
+
+@torch.no_grad()
+def _run(model: torch.nn.Module, device: torch.device, num_tokens: int) -> None:
+    config = model.config
+    vocab = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, num_tokens), generator=generator).to(device)
+    out = model(input_ids=ids, use_cache=True)
+    nxt = torch.randint(0, vocab, (1, 1), generator=generator).to(device)
+    model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+
+
+__all__ = ["FastPathReport", "LayerUse", "OpUse", "probe", "describe", "GLOBALS", "INSTANCE"]

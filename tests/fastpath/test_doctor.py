@@ -1,0 +1,74 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashdraft.fastpath.doctor import diagnose_build_log, run_doctor, transformers_generation
+from flashdraft.tiny_configs import tiny_config
+
+CUDA = torch.cuda.is_available()
+NAMES = {"gpu", "torch", "driver", "triton", "fla-core", "causal-conv1d", "transformers", "probe"}
+
+
+def test_doctor_json_on_this_machine():
+    out = subprocess.run([sys.executable, "-m", "flashdraft", "doctor", "--json"], capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    result = json.loads(out.stdout)
+    assert set(result) >= {"ok", "checks", "layers"}
+    assert {c["name"] for c in result["checks"]} == NAMES
+    for c in result["checks"]:
+        assert set(c) == {"name", "status", "detail", "fix"} and c["status"] in {"ok", "warn", "fail", "info"}
+    assert len(result["layers"]) == 3  # tiny qwen3_5: 3 linear-attention layers of 4
+    assert out.returncode == (0 if result["ok"] else 1)
+    if not CUDA:
+        assert result["ok"] is False
+        gpu = next(c for c in result["checks"] if c["name"] == "gpu")
+        assert gpu["status"] == "fail" and "no CUDA device" in gpu["detail"]
+        probe = next(c for c in result["checks"] if c["name"] == "probe")
+        assert "fallback: no CUDA device" in probe["detail"]
+
+
+def test_doctor_table_output():
+    out = subprocess.run([sys.executable, "-m", "flashdraft", "doctor", "--model", "qwen3_next"], capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert "flashdraft doctor" in out.stdout and "chunk_gated_delta_rule" in out.stdout
+    assert ("fast path complete" if CUDA else "fast path incomplete") in out.stdout
+
+
+def test_doctor_model_from_config_file(tmp_path):
+    tiny_config("qwen3_5_moe", num_layers=8).save_pretrained(tmp_path)
+    result = run_doctor(str(tmp_path / "config.json"), probe_layers=8)
+    assert [layer["index"] for layer in result["layers"]] == [0, 1, 2, 4, 5, 6]
+
+
+def test_doctor_bad_model_path_is_exit_2():
+    out = subprocess.run([sys.executable, "-m", "flashdraft", "doctor", "--model", "/nonexistent/x"],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 2 and "/nonexistent/x" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "log, meaning",
+    [
+        ("  File setup.py\nNameError: name 'bare_metal_version' is not defined", "no nvcc"),
+        ("OSError: CUDA_HOME environment variable is not set. Please set it", "CUDA_HOME is unset"),
+        ("RuntimeError: The detected CUDA version (12.4) mismatches the version that was used to compile\nPyTorch (13.0)",
+         "differs"),
+        ("ModuleNotFoundError: No module named 'wheel'", "wheel"),
+    ],
+)  # fmt: skip
+def test_build_log_diagnosis(log, meaning):
+    found = diagnose_build_log(log)
+    assert found and any(meaning in m for m, _ in found)
+
+
+def test_build_log_without_known_failure():
+    assert diagnose_build_log("Successfully installed causal-conv1d-1.7.0") == []
+
+
+def test_transformers_generation_names():
+    assert transformers_generation("5.14.1").startswith("5.2-5.14")
+    assert transformers_generation("5.17.0").startswith("5.15+")
+    assert transformers_generation("4.57.0").startswith("unsupported")

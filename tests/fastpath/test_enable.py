@@ -1,0 +1,157 @@
+"""fastpath.enable on tiny hybrid targets: patching, per-layer proof, strictness, and unchanged numerics."""
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashdraft import fastpath
+from flashdraft.fastpath.backends import FLA, FLASHDRAFT_TRITON, OPS, TORCH
+from flashdraft.fastpath.patch import GLOBALS, linear_attention_layers, modeling_module
+from flashdraft.tiny_configs import HYBRID_FAMILIES, build_tiny_target
+
+CUDA = torch.cuda.is_available()
+
+
+def _torch_only_logits(model, ids):
+    """Logits with transformers' own torch reference functions forced into the modeling module."""
+    module = modeling_module(linear_attention_layers(model)[0][1])
+    names = ["causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"]
+    saved = {n: getattr(module, n) for n in names}
+    try:
+        for n in names:
+            setattr(module, n, inspect.unwrap(saved[n]))
+        with torch.no_grad():
+            return model(ids).logits
+    finally:
+        for n, fn in saved.items():
+            setattr(module, n, fn)
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_enable_on_cpu_reports_every_layer_and_keeps_numerics(family):
+    model = build_tiny_target(family, num_layers=8, seed=1)
+    ids = torch.randint(0, 256, (2, 19))
+    expected = _torch_only_logits(model, ids)
+    try:
+        report = fastpath.enable(model, strict=False)
+        linear = [i for i, _ in linear_attention_layers(model)]
+        assert [layer.index for layer in report.layers] == linear == [0, 1, 2, 4, 5, 6]
+        assert report.generation == GLOBALS
+        for layer in report.layers:
+            assert set(layer.ops) == set(OPS)
+            for use in layer.ops.values():
+                assert use.impl == TORCH and "no CUDA device" in use.reason
+        assert not report.ok and report.slow_layers() == linear
+        with torch.no_grad():
+            got = model(ids).logits
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        text = str(report)
+        assert "no CUDA device" in text and "0-2,4-6" in text
+    finally:
+        fastpath.disable(model)
+
+
+def test_strict_raises_with_layers_and_reason():
+    model = build_tiny_target("qwen3_5", num_layers=4)
+    try:
+        with pytest.raises(fastpath.FastPathError) as err:
+            fastpath.enable(model)
+        msg = str(err.value)
+        assert "3 of 3" in msg and "layers 0-2" in msg and "no CUDA device" in msg
+        assert err.value.report.layers
+    finally:
+        fastpath.disable(model)
+
+
+@pytest.mark.skipif(CUDA, reason="documents the CPU hazard of transformers' import-time choice")
+def test_probe_without_enable_exposes_the_import_time_choice():
+    # transformers 5.15+ bound fla's kernels at import because fla imports; on a CPU they crash.
+    model = build_tiny_target("qwen3_5", num_layers=4)
+    report = fastpath.probe(model)
+    assert not report.ok
+    assert "active drivers" in report.error
+    chunk = report.layers[0].ops["chunk_gated_delta_rule"]
+    assert chunk.impl in (FLA, "error")
+
+
+def test_plain_target_has_no_linear_layers():
+    model = build_tiny_target("qwen3", num_layers=2)
+    report = fastpath.enable(model, strict=True)
+    assert report.ok and report.layers == [] and report.generation is None
+
+
+def test_disable_restores_transformers_choice():
+    model = build_tiny_target("qwen3_5", num_layers=4)
+    module = modeling_module(linear_attention_layers(model)[0][1])
+    before = module.torch_chunk_gated_delta_rule
+    fastpath.enable(model, strict=False)
+    assert module.torch_chunk_gated_delta_rule is not before
+    fastpath.disable(model)
+    assert module.torch_chunk_gated_delta_rule is before
+
+
+def test_dao_backend_missing_is_reported():
+    try:
+        import causal_conv1d  # noqa: F401
+
+        pytest.skip("pip causal-conv1d is installed here")
+    except ImportError:
+        pass
+    model = build_tiny_target("qwen3_5", num_layers=4)
+    try:
+        report = fastpath.enable(model, strict=False, conv_backend="dao")
+        use = report.layers[0].ops["causal_conv1d_fn"]
+        assert use.impl == TORCH and "causal_conv1d not importable" in use.reason
+    finally:
+        fastpath.disable(model)
+
+
+def test_unknown_conv_backend_is_a_clear_error():
+    model = build_tiny_target("qwen3_5", num_layers=4)
+    with pytest.raises(ValueError, match="conv_backend must be one of"):
+        fastpath.enable(model, conv_backend="cudnn")
+
+
+@pytest.mark.parametrize("order", ["flashdraft-first", "transformers-first"])
+def test_import_order_does_not_matter(order):
+    imports = ["import flashdraft.fastpath", "import transformers.models.qwen3_5.modeling_qwen3_5"]
+    if order == "transformers-first":
+        imports.reverse()
+    script = "\n".join([
+        *imports,
+        "from flashdraft import fastpath",
+        "from flashdraft.tiny_configs import build_tiny_target",
+        "m = build_tiny_target('qwen3_5', num_layers=4)",
+        "r = fastpath.enable(m, strict=False)",
+        "print(sorted({u.impl for l in r.layers for u in l.ops.values()}), len(r.layers))",
+    ])  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    expected = "['torch'] 3" if not CUDA else f"['{FLA}', '{FLASHDRAFT_TRITON}'] 3"
+    assert out.stdout.strip().splitlines()[-1] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_enable_on_gpu_is_fast_everywhere_and_close_to_torch(family):
+    model = build_tiny_target(family, num_layers=8, dtype=torch.bfloat16, device="cuda", seed=2)
+    ids = torch.randint(0, 256, (2, 300), device="cuda")
+    expected = _torch_only_logits(model, ids).float()
+    try:
+        report = fastpath.enable(model, strict=True)
+        assert report.ok
+        for layer in report.layers:
+            assert layer.ops["causal_conv1d_fn"].impl == FLASHDRAFT_TRITON
+            assert layer.ops["causal_conv1d_update"].impl == FLASHDRAFT_TRITON
+            assert layer.ops["chunk_gated_delta_rule"].impl == FLA
+            assert layer.ops["fused_recurrent_gated_delta_rule"].impl == FLA
+        with torch.no_grad():
+            got = model(ids).logits.float()
+        rel = (got - expected).norm() / expected.norm()
+        assert rel < 2e-2, rel
+    finally:
+        fastpath.disable(model)
