@@ -18,12 +18,16 @@ import torch
 
 from flashdraft.fastpath import record
 
-CONV_FN, CONV_UPDATE, CHUNK_RULE, RECURRENT_RULE = OPS = (
+CONV_FN, CONV_UPDATE, CHUNK_RULE, RECURRENT_RULE = CALLS = (
     "causal_conv1d_fn",
     "causal_conv1d_update",
     "chunk_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
 )
+# The layer's output norm is a module, not a looked-up function, but it is part of the layer's fast path too:
+# transformers 5.2-5.14 used fla's fused kernel for it when fla imported; 5.15+ always runs the torch one.
+GATED_NORM = "gated_rms_norm"
+OPS = (*CALLS, GATED_NORM)
 
 # Implementation names, as they appear in probe reports.
 FLASHDRAFT_TRITON = "flashdraft-triton"
@@ -75,12 +79,14 @@ def torch_fallbacks(module) -> TorchFallbacks:
     """Find the torch reference implementations in a modeling module of either transformers generation."""
     from flashdraft.kernels import causal_conv1d_ref, causal_conv1d_update_ref
 
-    chunk = _unwrap(getattr(module, "torch_chunk_gated_delta_rule"))
-    recurrent = _unwrap(getattr(module, "torch_recurrent_gated_delta_rule"))
+    chunk = _unwrap(module.torch_chunk_gated_delta_rule)
+    recurrent = _unwrap(module.torch_recurrent_gated_delta_rule)
     # 5.15+: the decorated functions wrap the torch code; 5.2-5.14 has no torch conv_fn (the layer calls nn.Conv1d).
     conv_fn = getattr(module, "causal_conv1d_fn", None)
     conv_fn = _unwrap(conv_fn) if conv_fn is not None and getattr(conv_fn, "__wrapped__", None) else None
-    conv_update = getattr(module, "torch_causal_conv1d_update", None) or _unwrap(getattr(module, "causal_conv1d_update"))
+    conv_update = getattr(module, "torch_causal_conv1d_update", None) or _unwrap(
+        module.causal_conv1d_update
+    )
     if conv_update is not None and not conv_update.__module__.startswith("transformers"):
         conv_update = None
     return TorchFallbacks(
@@ -200,3 +206,36 @@ def make_backends(fallbacks: TorchFallbacks, conv_backend: str = "auto") -> dict
     for fn in backends.values():
         fn.__flashdraft_backend__ = True
     return backends
+
+
+def gated_norm_forward(norm: torch.nn.Module):
+    """A device-aware forward for a layer's gated RMSNorm (`norm(x) * weight * silu(gate)`), bound to `norm`."""
+    mod, why = import_status("fla.modules")
+    fused = getattr(mod, "FusedRMSNormGated", None)
+    fla_norm = importlib.import_module("fla.modules.fused_norm_gate").rms_norm_gated if mod is not None else None
+    missing = f"fallback: {why}" if why else ""
+    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    torch_forward = type(norm).forward if fused is None or not isinstance(norm, fused) else None
+
+    def forward(hidden_states, gate):
+        why = missing or _device_reason(hidden_states)
+        if not why and hidden_states.dtype not in FLA_DTYPES:
+            why = f"fallback: dtype {hidden_states.dtype} not supported by fla"
+        record.note(GATED_NORM, TORCH if why else FLA, why)
+        if not why:
+            return fla_norm(hidden_states, gate, norm.weight, None, activation="silu", eps=eps)
+        if torch_forward is not None:
+            return torch_forward(norm, hidden_states, gate)
+        return _torch_gated_rms_norm(hidden_states, gate, norm.weight, eps)
+
+    forward.__flashdraft_backend__ = True
+    return forward
+
+
+def _torch_gated_rms_norm(x, gate, weight, eps):
+    # Same arithmetic as transformers' Qwen3_5RMSNormGated (used when the layer was built with fla's module).
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    return (h * torch.nn.functional.silu(gate.float())).to(dtype)

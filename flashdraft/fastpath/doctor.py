@@ -163,7 +163,11 @@ def check_causal_conv1d() -> Check:
     version = _version("causal-conv1d")
     mod, why = import_status("causal_conv1d")
     if mod is not None:
-        return Check("causal-conv1d", OK, f"causal-conv1d {version} importable (optional; flashdraft's Triton conv is used by default)")
+        return Check(
+            "causal-conv1d",
+            OK,
+            f"causal-conv1d {version} importable (optional; flashdraft's Triton conv is used by default)",
+        )
     nvcc = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
                                      if os.environ.get("CUDA_HOME") else None)  # fmt: skip
     problems = []
@@ -173,7 +177,9 @@ def check_causal_conv1d() -> Check:
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
         m = re.search(r"release (\d+\.\d+)", out)
         if m and m.group(1).split(".")[0] != torch.version.cuda.split(".")[0]:
-            problems.append(f"nvcc {m.group(1)} vs torch CUDA {torch.version.cuda} -> 'detected CUDA version mismatches'")
+            problems.append(
+                f"nvcc {m.group(1)} vs torch CUDA {torch.version.cuda} -> 'detected CUDA version mismatches'"
+            )
     if not os.environ.get("CUDA_HOME") and nvcc is None:
         problems.append("CUDA_HOME unset")
     if _version("wheel") is None:
@@ -245,11 +251,9 @@ def run_doctor(model_spec: str | None = None, probe_layers: int = 4) -> dict:
         model = build_probe_model(model_spec, probe_layers)
         report = fastpath.enable(model, strict=False)
         layers = report.to_dict()["layers"]
-        if report.ok:
-            checks.append(Check("probe", OK, f"all {len(report.layers)} linear-attention layers ran fast kernels"))
-        else:
-            detail = report.failure_message().replace("\n", "; ")
-            checks.append(Check("probe", FAIL, detail, _probe_fix(report)))
+        checks.append(
+            Check("probe", OK if report.ok else FAIL, report.summary(), "" if report.ok else _probe_fix(report))
+        )
     except Exception as exc:
         checks.append(Check("probe", FAIL, f"could not build or probe the model: {type(exc).__name__}: {exc}",
                             "pass --model with a config.json or model directory of a supported family"))  # fmt: skip

@@ -15,11 +15,12 @@ import sys
 import torch
 
 from flashdraft.fastpath.backends import (
+    CALLS,
     CHUNK_RULE,
     CONV_FN,
     CONV_UPDATE,
-    OPS,
     RECURRENT_RULE,
+    gated_norm_forward,
     make_backends,
     torch_fallbacks,
 )
@@ -58,9 +59,9 @@ def modeling_module(layer: torch.nn.Module):
 def entry_points(layer: torch.nn.Module) -> dict[str, tuple[object, str]]:
     """op -> (owner, attribute name): where this layer looks each op up at call time."""
     if generation_of(layer) == INSTANCE:
-        return {op: (layer, _INSTANCE_ATTRS[op]) for op in OPS}
+        return {op: (layer, _INSTANCE_ATTRS[op]) for op in CALLS}
     module = modeling_module(layer)
-    return {op: (module, _GLOBAL_NAMES[op]) for op in OPS}
+    return {op: (module, _GLOBAL_NAMES[op]) for op in CALLS}
 
 
 def _originals(module) -> dict[str, object]:
@@ -92,12 +93,15 @@ def patch_model(model: torch.nn.Module, conv_backend: str = "auto") -> str | Non
         generation = generation_of(layer)
         for op, (owner, name) in entry_points(layer).items():
             setattr(owner, name, backends[op])
+        # An instance attribute shadows the class's forward; the module, its weight and state-dict keys stay.
+        layer.norm.forward = gated_norm_forward(layer.norm)
     return generation
 
 
 def unpatch_model(model: torch.nn.Module) -> None:
     """Undo `patch_model` (module globals restored; 5.2-5.14 layers get their import-time choice back)."""
     for _, layer in linear_attention_layers(model):
+        layer.norm.__dict__.pop("forward", None)
         module = modeling_module(layer)
         saved = _originals(module)
         if generation_of(layer) == GLOBALS:
@@ -105,7 +109,9 @@ def unpatch_model(model: torch.nn.Module) -> None:
                 setattr(module, name, fn)
         else:
             layer.causal_conv1d_fn = getattr(module, "causal_conv1d_fn", None)
-            layer.causal_conv1d_update = getattr(module, "causal_conv1d_update", None) or module.torch_causal_conv1d_update
+            layer.causal_conv1d_update = (
+                getattr(module, "causal_conv1d_update", None) or module.torch_causal_conv1d_update
+            )
             layer.chunk_gated_delta_rule = (
                 getattr(module, "chunk_gated_delta_rule", None) or module.torch_chunk_gated_delta_rule
             )

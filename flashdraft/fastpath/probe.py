@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from flashdraft.fastpath import record
-from flashdraft.fastpath.backends import DAO_CUDA, FLA, FLASHDRAFT_TRITON, OPS, TORCH
+from flashdraft.fastpath.backends import DAO_CUDA, FLA, FLASHDRAFT_TRITON, GATED_NORM, OPS, TORCH
 from flashdraft.fastpath.patch import GLOBALS, INSTANCE, entry_points, generation_of, linear_attention_layers
 
 NOT_CALLED = "not called"
@@ -70,8 +70,20 @@ class FastPathReport:
         if self.error:
             lines.append(f"probe error: {self.error}")
         for reason, layers in self.fallbacks().items():
-            lines.append(f"  layers {_ranges(layers)}: {reason}")
+            lines.append(f"  {'layers' if len(layers) > 1 else 'layer'} {_ranges(layers)}: {reason}")
         return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One line: how many layers fell back and the distinct reasons."""
+        if self.ok:
+            return f"all {len(self.layers)} linear-attention layers ran fast kernels"
+        reasons = sorted(
+            {use.reason or use.impl for layer in self.layers for use in layer.ops.values() if not use.fast}
+        )
+        text = f"{len(self.slow_layers())} of {len(self.layers)} linear-attention layers fell back: " + "; ".join(
+            reasons
+        )
+        return f"probe error: {self.error}; " + text if self.error else text
 
     def slow_layers(self) -> list[int]:
         return [layer.index for layer in self.layers if not layer.fast]
@@ -89,7 +101,9 @@ class FastPathReport:
     def table(self):
         from rich.table import Table
 
-        table = Table(title=f"fast path per layer — {self.device}, {self.dtype}, transformers {self.transformers_version}")
+        table = Table(
+            title=f"fast path per layer — {self.device}, {self.dtype}, transformers {self.transformers_version}"
+        )
         table.add_column("layer", justify="right")
         for op in OPS:
             table.add_column(op)
@@ -146,8 +160,10 @@ def describe(fn) -> tuple[str, str]:
 
 
 def _tracer(op: str, fn):
-    impl, reason = describe(fn)
+    return _noting(op, *describe(fn), fn)
 
+
+def _noting(op: str, impl: str, reason: str, fn):
     @functools.wraps(fn)
     def traced(*args, **kwargs):
         record.note(op, impl, reason)
@@ -188,6 +204,12 @@ def probe(model: torch.nn.Module, num_tokens: int = 8) -> FastPathReport:
                 continue  # a module global shared by many layers: wrap it once
             restore.append((owner, name, fn))
             setattr(owner, name, _tracer(op, fn))
+        norm_forward = layer.norm.forward
+        if not getattr(norm_forward, "__flashdraft_backend__", False):
+            impl = FLA if type(layer.norm).__module__.startswith("fla") else TORCH
+            reason = "" if impl == FLA else "fallback: transformers' torch RMSNormGated (no fused kernel)"
+            restore.append((layer.norm, "forward", None))
+            layer.norm.forward = _noting(GATED_NORM, impl, reason, norm_forward)
 
     with record.listening() as log:
         hooks = []
@@ -198,13 +220,17 @@ def probe(model: torch.nn.Module, num_tokens: int = 8) -> FastPathReport:
             _run(model, param.device, num_tokens)
         except Exception as exc:  # report, do not hide: a fast kernel that crashes is not a fast path
             report.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-            if log.layer is not None:
-                log.add("error", "error", report.error)
+            if log.last is not None:  # blame the call that was running
+                layer, op, impl = log.last
+                log.calls[layer][op][-1] = (f"error in {impl}", report.error)
         finally:
             for h in hooks:
                 h.remove()
             for owner, name, fn in restore:
-                setattr(owner, name, fn)
+                if fn is None:  # we shadowed a method with an instance attribute: remove it
+                    owner.__dict__.pop(name, None)
+                else:
+                    setattr(owner, name, fn)
 
     for idx, _ in layers:
         seen = log.calls.get(idx, {})
@@ -216,8 +242,6 @@ def probe(model: torch.nn.Module, num_tokens: int = 8) -> FastPathReport:
                 impls = {impl for impl, _ in seen[op]}
                 impl, reason = seen[op][-1] if len(impls) == 1 else ("mixed: " + "+".join(sorted(impls)), "")
                 ops[op] = OpUse(impl, reason)
-            elif "error" in seen:
-                ops[op] = OpUse("error", seen["error"][0][1])
             else:
                 ops[op] = OpUse(NOT_CALLED, "the probe did not reach this call")
         report.layers.append(LayerUse(idx, ops))

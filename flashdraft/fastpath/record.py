@@ -16,11 +16,14 @@ class CallLog:
     layer: int | None = None
     # layer index -> op name -> list of (implementation, reason-if-fallback) in call order
     calls: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
+    # (layer, op, impl) of the most recent call: where a crash happened
+    last: tuple[int, str, str] | None = None
 
     def add(self, op: str, impl: str, reason: str) -> None:
         if self.layer is None:
             return
         self.calls.setdefault(self.layer, {}).setdefault(op, []).append((impl, reason))
+        self.last = (self.layer, op, impl)
 
 
 _ACTIVE: ContextVar[CallLog | None] = ContextVar("flashdraft_fastpath_calllog", default=None)

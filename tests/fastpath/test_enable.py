@@ -18,7 +18,12 @@ CUDA = torch.cuda.is_available()
 def _torch_only_logits(model, ids):
     """Logits with transformers' own torch reference functions forced into the modeling module."""
     module = modeling_module(linear_attention_layers(model)[0][1])
-    names = ["causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"]
+    names = [
+        "causal_conv1d_fn",
+        "causal_conv1d_update",
+        "torch_chunk_gated_delta_rule",
+        "torch_recurrent_gated_delta_rule",
+    ]
     saved = {n: getattr(module, n) for n in names}
     try:
         for n in names:
@@ -74,7 +79,7 @@ def test_probe_without_enable_exposes_the_import_time_choice():
     assert not report.ok
     assert "active drivers" in report.error
     chunk = report.layers[0].ops["chunk_gated_delta_rule"]
-    assert chunk.impl in (FLA, "error")
+    assert chunk.impl == f"error in {FLA}" and "active drivers" in chunk.reason
 
 
 def test_plain_target_has_no_linear_layers():
@@ -149,6 +154,7 @@ def test_enable_on_gpu_is_fast_everywhere_and_close_to_torch(family):
             assert layer.ops["causal_conv1d_update"].impl == FLASHDRAFT_TRITON
             assert layer.ops["chunk_gated_delta_rule"].impl == FLA
             assert layer.ops["fused_recurrent_gated_delta_rule"].impl == FLA
+            assert layer.ops["gated_rms_norm"].impl == FLA
         with torch.no_grad():
             got = model(ids).logits.float()
         rel = (got - expected).norm() / expected.norm()

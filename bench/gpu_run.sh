@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call: install carried wheels, build Dao's causal-conv1d (sm_90 only) in the background as an anchor,
+# run the GPU tests, then the kernel benchmark. Usage (on the GPU machine, repo root): bash bench/gpu_run.sh [tests...]
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+if [ -z "${SKIP_DAO:-}" ] && [ -f .whl/causal_conv1d-1.7.0.tar.gz ]; then
+  ( set -e; mkdir -p /tmp/cc && tar xzf .whl/causal_conv1d-1.7.0.tar.gz -C /tmp/cc && cd /tmp/cc/causal_conv1d-1.7.0 \
+    && python3 "$OLDPWD/bench/build_dao_sm90.py" setup.py \
+    && CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=12 python3 -m pip install -q --no-build-isolation --no-deps \
+       --target /tmp/site2 . ) > "$OUT/dao_build.log" 2>&1 &
+  DAO_PID=$!
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
+python3 -m pytest -q -x -p no:cacheprovider -n 8 "${@:-tests/kernels tests/fastpath}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+if [ -n "${DAO_PID:-}" ]; then
+  t0=$(date +%s); wait $DAO_PID; echo "Dao build exit $? (waited $(( $(date +%s) - t0 )) s more)"; tail -3 "$OUT/dao_build.log"
+  export PYTHONPATH=/tmp/site:/tmp/site2:$PWD
+fi
+[ -n "${SKIP_BENCH:-}" ] || python3 bench/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench.log" | tail -40

@@ -1,0 +1,89 @@
+"""The fast-path benchmark (issue P1-P3), anchors measured in the same run on the same GPU.
+
+  P1  causal_conv1d forward, D=10240, W=4, silu, bf16, channel-last, (B,L) in (1,8192), (4,4096), (8,8192):
+      flashdraft vs transformers' torch fallback, fla's Triton conv, Dao's CUDA causal-conv1d (when importable)
+  P2  causal_conv1d_update, B=64, D=10240, one token (us per call)
+  P3  Qwen3.5-27B-shaped target, first 16 layers, 4x4096 tokens: fastpath.enable vs the best anchor combination
+  plus the conv backward at the P1 shapes (GB/s beside fla's) and the machine's ceilings (copy GB/s, bf16 TFLOP/s).
+
+Run on a GPU: python bench/kernels.py --json OUT.json     (prints a table last; see bench/RESULTS.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def ceilings() -> dict:
+    """Device-to-device copy bandwidth (read+write) and a large bf16 matmul rate on random data."""
+    from triton.testing import do_bench
+
+    n = 2 * 1024**3  # 2 GiB
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    copy_ms = do_bench(lambda: b.copy_(a), return_mode="median")
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = do_bench(lambda: x @ y, return_mode="median")
+    return {"copy_GBps": 2 * n / copy_ms / 1e6, "bf16_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
+
+
+def environment() -> dict:
+    import transformers
+    import triton
+
+    env = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+    for mod in ("fla", "causal_conv1d"):
+        try:
+            env[mod] = getattr(__import__(mod), "__version__", "?")
+        except Exception as exc:
+            env[mod] = f"missing ({type(exc).__name__})"
+    return env
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--skip-target", action="store_true", help="skip P3 (the 16-layer target forward)")
+    args = ap.parse_args()
+    from bench import kernels_conv, target_forward
+
+    result = {"env": environment(), "ceilings": ceilings()}
+    print(result, flush=True)
+    result["conv"] = kernels_conv.run_all()
+    if not args.skip_target:
+        result["target_forward"] = target_forward.run(16, 4, 4096)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    print("\n=== summary ===")
+    print(
+        f"ceilings: copy {result['ceilings']['copy_GBps']:.0f} GB/s, bf16 {result['ceilings']['bf16_TFLOPs']:.0f} TFLOP/s"
+    )
+    kernels_conv.print_table(result["conv"])
+    for r in result.get("target_forward", []):
+        extra = f"  {r['vs_best_anchor']:.3f}x best anchor" if "vs_best_anchor" in r else ""
+        print(
+            f"P3 {r['variant']:20s} {r['ms']:8.1f} ms {r['tok_s']:9.0f} tok/s relerr {r['relerr_vs_torch']:.1e}{extra}"
+        )
+
+
+if __name__ == "__main__":
+    main()

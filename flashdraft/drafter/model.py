@@ -1,0 +1,393 @@
+"""The DFlash drafter: Qwen3 decoder layers whose keys and values also see the target's hidden states.
+
+One forward drafts a whole block. Its inputs are the block's token embeddings (made with the *target's* frozen
+embedding: `[anchor, MASK x (block_size - 1)]`) and the context features (hidden states of `target_layer_ids`,
+concatenated). In every layer the queries come from the block only, while keys and values are projected from
+`concat(context, block)` along the sequence ("KV injection"), so the context never flows through the MLPs or the
+residual stream. The drafter has no embedding and no LM head; logits come from the target's LM head:
+
+    features = select_context_features(target_out.hidden_states, drafter.target_layer_ids)  # (B, T, n * D)
+    block = target.get_input_embeddings()(block_ids)                                        # (B, bs, D)
+    hidden = drafter(position_ids=positions, noise_embedding=block, target_hidden=features)  # positions: (B, T + bs)
+    logits = drafter.compute_logits(hidden[:, 1:], target.lm_head)                          # (B, bs - 1, V)
+
+Checkpoints are in the format of the reference `dflash` package (also read by SGLang and vLLM), see `config.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedConfig, Qwen3Config
+from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3PreTrainedModel,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
+
+from flashdraft.drafter.config import (
+    AUTO_MAP,
+    draft_config_from_target,
+    draft_value,
+    validate_draft_config,
+)
+from flashdraft.drafter.mask_token import choose_mask_token_id
+
+logger = logging.getLogger(__name__)
+
+# Keyword arguments the reference forward accepts and that change nothing here; anything else is a caller's bug.
+_INERT_KWARGS = frozenset({"cache_position", "output_attentions", "output_hidden_states", "return_dict"})
+_PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
+
+
+def select_context_features(hidden_states: Sequence[torch.Tensor], target_layer_ids: Sequence[int]) -> torch.Tensor:
+    """Concatenate the target's hidden states of `target_layer_ids` → (B, T, n * D).
+
+    `hidden_states` is transformers' `output_hidden_states` tuple: index 0 is the embedding output, so the
+    output of layer i is `hidden_states[i + 1]`.
+    """
+    return torch.cat([hidden_states[i + 1] for i in target_layer_ids], dim=-1)
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    scale: float,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Scaled dot-product attention, (B, H, Q, d) x (B, Hkv, K, d) → (B, H, Q, d); `mask` True = attend.
+
+    The one place the drafter calls an attention kernel: a FlexAttention `BlockMask` path for training on the
+    GPU belongs here. No causal flag: every non-bidirectional pattern arrives as an explicit mask.
+    """
+    groups = query.shape[1] // key.shape[1]
+    gqa = {}
+    if groups > 1:
+        # Native GQA only without a mask and with head_dim <= 256 (else SDPA falls back to its math kernel):
+        # repeat K/V in the other cases, as transformers' SDPA integration does, so results match it exactly.
+        if mask is None and key.shape[-1] <= 256:
+            gqa = {"enable_gqa": True}
+        else:
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale, **gqa)
+
+
+def structural_mask(
+    q_len: int, k_len: int, *, causal: bool, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """The (1, 1, q_len, k_len) boolean mask of a causal and/or sliding-window layer.
+
+    The queries are the last `q_len` of the `k_len` keys (context, possibly cached, then the block). Causal:
+    a query sees keys at or before it. Sliding window w: keys less than w behind it and, when not causal,
+    less than w ahead of it.
+    """
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if causal:
+        visible &= k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= q_pos - k_pos < sliding_window
+        if not causal:
+            visible &= k_pos - q_pos < sliding_window
+    return visible[None, None]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys and values from `concat(context, block)`; q/k RMSNorm; RoPE on both."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        heads, kv_heads, bias = config.num_attention_heads, config.num_key_value_heads, config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        # The reference's rule: sliding-window layers are causal, full-attention layers bidirectional, unless the
+        # config sets `is_causal` for all layers.
+        layer_type = (config.layer_types or ["full_attention"] * config.num_hidden_layers)[layer_idx]
+        is_causal = getattr(config, "is_causal", None)
+        self.is_causal = layer_type == "sliding_attention" if is_causal is None else bool(is_causal)
+        self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+    ) -> torch.Tensor:
+        batch, q_len = hidden_states.shape[:2]
+        kv_len = context.shape[1] + q_len
+        query = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
+        # Context and block are projected separately (never concatenated before the projection) so that the
+        # context rows can be cached and the result matches the reference bit for bit.
+        key = torch.cat([self.k_proj(context), self.k_proj(hidden_states)], dim=1)
+        value = torch.cat([self.v_proj(context), self.v_proj(hidden_states)], dim=1)
+        key = self.k_norm(key.view(batch, kv_len, -1, self.head_dim)).transpose(1, 2)
+        value = value.view(batch, kv_len, -1, self.head_dim).transpose(1, 2)
+        cos, sin = (t.unsqueeze(1) for t in position_embeddings)
+        query = _rotate(query, cos[..., -q_len:, :], sin[..., -q_len:, :])
+        key = _rotate(key, cos, sin)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        if attention_mask is None and (self.is_causal or self.sliding_window is not None):
+            attention_mask = structural_mask(
+                q_len, key.shape[2], causal=self.is_causal, sliding_window=self.sliding_window, device=key.device
+            )
+        dropout = self.attention_dropout if self.training else 0.0
+        out = attend(query, key, value, attention_mask, scale=self.scaling, dropout=dropout)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
+
+
+class DFlashDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+    ) -> torch.Tensor:
+        # The context was normed once by hidden_norm; it bypasses input_layernorm and goes straight to k/v_proj.
+        attn = self.self_attn(
+            self.input_layernorm(hidden_states), context, position_embeddings, attention_mask, past_key_values
+        )
+        hidden_states = hidden_states + attn
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DFlashDraftModel(Qwen3PreTrainedModel):
+    """DFlash block drafter (see the module docstring); loads and saves the reference `dflash` format."""
+
+    config_class = Qwen3Config
+    _no_split_modules = ["DFlashDecoderLayer"]
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        validate_draft_config(config)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_init()
+
+    # ---- what a caller needs to know -------------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return int(draft_value(self.config, "block_size"))
+
+    @property
+    def mask_token_id(self) -> int:
+        return int(draft_value(self.config, "mask_token_id"))
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(draft_value(self.config, "target_layer_ids"))
+
+    @property
+    def num_target_layers(self) -> int:
+        return int(draft_value(self.config, "num_target_layers"))
+
+    # ---- construction ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_target(
+        cls,
+        target_config: PreTrainedConfig,
+        num_layers: int = 5,
+        block_size: int = 16,
+        target_layer_ids: list[int] | None = None,
+        mask_token_id: int | None = None,
+        tokenizer=None,
+        **overrides: Any,
+    ) -> DFlashDraftModel:
+        """A freshly initialised drafter sized from the target's (text) config; see `draft_config_from_target`.
+
+        `target_layer_ids` default to `num_layers` ids spread over the target (`build_target_layer_ids`);
+        `mask_token_id` defaults to `choose_mask_token_id(target_config, tokenizer)`. `overrides` replace
+        `Qwen3Config` fields (e.g. `intermediate_size`, `layer_types=[...], sliding_window=2048`).
+        Build inside `with torch.device("meta"):` to get the shapes without allocating.
+        """
+        mask_token_id, reason = choose_mask_token_id(target_config, tokenizer, mask_token_id=mask_token_id)
+        logger.info("drafter mask token: %s", reason)
+        config = draft_config_from_target(
+            target_config,
+            num_layers=num_layers,
+            block_size=block_size,
+            target_layer_ids=target_layer_ids,
+            mask_token_id=mask_token_id,
+            **overrides,
+        )
+        return cls(config)
+
+    # ---- forward ---------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        noise_embedding: torch.Tensor | None = None,
+        target_hidden: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool = False,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Draft hidden states of one block (or of many packed blocks, with a mask) → (B, Q, D), final-normed.
+
+        Args:
+            position_ids: (B or 1, T + Q) positions of the new context tokens then of the block tokens.
+            attention_mask: None, or a boolean mask broadcastable to (B, heads, Q, K), True = attend, where the K
+                keys are the cached context, then the T new context tokens, then the Q block tokens. When given,
+                it replaces the layers' own causal / sliding-window rule (callers fold those in themselves). None:
+                full-attention layers see everything, sliding layers use `structural_mask`.
+            noise_embedding: (B, Q, D) block token embeddings from the target's input embedding.
+            target_hidden: (B, T, n * D) context features (`select_context_features`) of the T tokens not yet
+                in the cache.
+            past_key_values: a transformers Cache; the context *and* block K/V are appended to it, so after
+                each draft crop it back to the context length (`cache.crop(n_context)`), as the reference does.
+            use_cache: accepted for signature compatibility; caching happens whenever `past_key_values` is given.
+        """
+        unexpected = set(kwargs) - _INERT_KWARGS
+        if unexpected:
+            raise TypeError(f"DFlashDraftModel.forward got unexpected arguments {sorted(unexpected)}")
+        if noise_embedding is None or target_hidden is None:
+            raise ValueError("DFlashDraftModel.forward needs noise_embedding (B, Q, D) and target_hidden (B, T, n*D)")
+        expected = self.fc.in_features
+        if target_hidden.shape[-1] != expected:
+            raise ValueError(
+                f"target_hidden has {target_hidden.shape[-1]} features per token, expected {expected} "
+                f"({len(self.target_layer_ids)} target layers x hidden_size {self.config.hidden_size})"
+            )
+        total = target_hidden.shape[1] + noise_embedding.shape[1]
+        if position_ids.shape[-1] != total:
+            raise ValueError(
+                f"position_ids cover {position_ids.shape[-1]} tokens, expected {total} "
+                f"(target_hidden {target_hidden.shape[1]} + noise_embedding {noise_embedding.shape[1]})"
+            )
+        context = self.hidden_norm(self.fc(target_hidden))
+        position_embeddings = self.rotary_emb(noise_embedding, position_ids)
+        hidden = noise_embedding
+        for layer in self.layers:
+            hidden = layer(
+                hidden,
+                context,
+                position_embeddings,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+            )
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module | torch.Tensor) -> torch.Tensor:
+        """Logits of drafter hidden states through the target's LM head (a module, or its (V, D) weight).
+
+        Honours `output_multiplier` and `final_logit_softcapping` when a (reference) config sets them.
+        """
+        logits = F.linear(hidden, lm_head) if isinstance(lm_head, torch.Tensor) else lm_head(hidden)
+        multiplier = draft_value(self.config, "output_multiplier")
+        if multiplier is not None:
+            logits = logits * float(multiplier)
+        softcap = draft_value(self.config, "final_logit_softcapping")
+        if softcap is not None and float(softcap) > 0:
+            logits = torch.tanh(logits / float(softcap)) * float(softcap)
+        return logits
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any):
+        """Load a drafter checkpoint (ours or the reference's) from safetensors only — never by unpickling."""
+        path = Path(pretrained_model_name_or_path)
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("DFlashDraftModel loads safetensors only; use_safetensors=False is not supported")
+        if path.is_dir() and not any(path.glob("*.safetensors")):
+            pickled = [name for name in _PICKLE_WEIGHTS if (path / name).exists()]
+            if pickled:
+                raise ValueError(
+                    f"{path} holds only pickle weights ({', '.join(pickled)}); flashdraft loads safetensors only, "
+                    "because unpickling can run arbitrary code. In an environment you trust, convert with: "
+                    "safetensors.torch.save_file(torch.load(p, weights_only=True), 'model.safetensors')"
+                )
+        kwargs["use_safetensors"] = True
+        config = kwargs.get("config")
+        if config is None:
+            hub = {k: kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token") if k in kwargs}
+            config = Qwen3Config.from_pretrained(pretrained_model_name_or_path, **hub)
+            kwargs["config"] = config
+        if "DFlash2DraftModel" in (getattr(config, "architectures", None) or []):
+            raise ValueError(f"{path} is a DFlash 2 drafter (DFlash2DraftModel), which flashdraft does not support")
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        """Write `config.json` + `model.safetensors` in the reference format, atomically (see `atomic_directory`)."""
+        if kwargs.pop("push_to_hub", False):
+            raise ValueError("push_to_hub is not supported here: save, then upload the directory")
+        with atomic_directory(save_directory) as tmp:
+            self.write_checkpoint(tmp, **kwargs)
+
+    def write_checkpoint(self, directory: str | os.PathLike, **kwargs: Any) -> None:
+        """Write the checkpoint files into an existing `directory`, in place (not atomic)."""
+        self.config.auto_map = dict(AUTO_MAP)
+        super().save_pretrained(directory, **kwargs)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary directory beside `path`; on success it replaces `path` by a rename.
+
+    Readers never see a half-written `path`: either the old directory or the complete new one (during the
+    swap, `path` is briefly absent). On error the temporary directory is removed and `path` is left as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.replace(path, old / path.name)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)

@@ -1,0 +1,166 @@
+"""`flashdraft export`: write a drafter that SGLang, vLLM and the reference `dflash` package load.
+
+    flashdraft export --drafter runs/qwen3.5-27b/final --out exports/qwen3.5-27b-dflash --target Qwen/Qwen3.5-27B
+
+The output directory holds `config.json` + `model.safetensors` in the reference format and a `README.md` with
+the serving command lines. With `--target` (a local model directory or its config.json) the drafter is checked
+against the target first: hidden size, vocabulary, captured layers. Errors exit with code 2 and one message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from transformers import Qwen3Config
+
+from flashdraft.drafter.config import draft_value, validate_draft_config
+from flashdraft.drafter.model import DFlashDraftModel, atomic_directory
+
+PLACEHOLDER_TARGET = "TARGET_MODEL"  # shown in the command lines when no --target is given
+
+
+class ExportError(ValueError):
+    """A drafter that cannot be exported as asked; the message says which field and both values."""
+
+
+def export_drafter(
+    drafter_dir: str | os.PathLike, out_dir: str | os.PathLike, target: str | os.PathLike | None = None
+) -> Path:
+    """Check the drafter (against `target` when given) and write it to `out_dir` atomically; return `out_dir`."""
+    if not (Path(drafter_dir) / "config.json").is_file():
+        raise ExportError(f"--drafter {drafter_dir}: no config.json there (give a local drafter checkpoint directory)")
+    config = Qwen3Config.from_pretrained(drafter_dir)
+    validate_draft_config(config)
+    if target is not None:
+        problems = check_against_target(config, read_target_config(target))
+        if problems:
+            raise ExportError(f"drafter {drafter_dir} does not fit target {target}:\n  " + "\n  ".join(problems))
+    drafter = DFlashDraftModel.from_pretrained(drafter_dir)
+    out = Path(out_dir)
+    with atomic_directory(out) as tmp:
+        drafter.write_checkpoint(tmp)
+        (tmp / "README.md").write_text(readme(drafter, out, target))
+    return out
+
+
+def read_target_config(target: str | os.PathLike) -> dict:
+    """The target's text config as a dict, from a model directory or a config.json path."""
+    path = Path(target)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ExportError(f"--target {target}: no config.json there (give a local model directory or its config.json)")
+    config = json.loads(path.read_text())
+    # Multimodal targets (Qwen3.5 / 3.6) keep the language model's sizes in text_config.
+    return config.get("text_config") or config
+
+
+def check_against_target(drafter_config: Qwen3Config, target: dict) -> list[str]:
+    """Every mismatch between a drafter config and a target text config, one sentence each (empty: compatible)."""
+    missing = [k for k in ("hidden_size", "vocab_size", "num_hidden_layers") if k not in target]
+    if missing:
+        return [f"the target config has no {', '.join(missing)}"]
+    problems = []
+    if drafter_config.hidden_size != target["hidden_size"]:
+        problems.append(
+            f"hidden_size: drafter {drafter_config.hidden_size}, target {target['hidden_size']} (they must be equal)"
+        )
+    mask_token_id = draft_value(drafter_config, "mask_token_id")
+    if target["vocab_size"] < mask_token_id + 1:
+        problems.append(
+            f"vocab_size: target {target['vocab_size']} has no row for the drafter's mask_token_id {mask_token_id} "
+            f"(needs vocab_size >= {mask_token_id + 1})"
+        )
+    num_target_layers = draft_value(drafter_config, "num_target_layers")
+    if num_target_layers != target["num_hidden_layers"]:
+        problems.append(
+            f"num_target_layers: drafter {num_target_layers}, target num_hidden_layers {target['num_hidden_layers']}"
+        )
+    layer_ids = list(draft_value(drafter_config, "target_layer_ids"))
+    beyond = [i for i in layer_ids if i >= target["num_hidden_layers"]]
+    if beyond:
+        problems.append(
+            f"target_layer_ids: drafter reads target layers {beyond} (of {layer_ids}), target num_hidden_layers "
+            f"{target['num_hidden_layers']}"
+        )
+    return problems
+
+
+def serve_commands(drafter_path: str, block_size: int, target: str = PLACEHOLDER_TARGET) -> dict[str, str]:
+    """Command lines serving `target` with this drafter: {"sglang": ..., "vllm": ...}."""
+    spec = {"method": "dflash", "model": drafter_path, "num_speculative_tokens": block_size - 1}
+    spec = shlex.quote(json.dumps(spec, separators=(",", ":")))
+    target, drafter_path = shlex.quote(target), shlex.quote(drafter_path)
+    return {
+        "sglang": (
+            f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {drafter_path} --speculative-num-draft-tokens {block_size}"
+        ),
+        "vllm": f"vllm serve {target} --speculative-config {spec}",
+    }
+
+
+def readme(drafter: DFlashDraftModel, out: Path, target: str | os.PathLike | None) -> str:
+    commands = serve_commands(str(out.resolve()), drafter.block_size, str(target) if target else PLACEHOLDER_TARGET)
+    return f"""# DFlash drafter
+
+A block-diffusion drafter ([DFlash](https://arxiv.org/abs/2602.06036)) for speculative decoding, exported by
+flashdraft. It drafts {drafter.block_size - 1} tokens per step from the target's hidden states of layers
+{drafter.target_layer_ids} (of {drafter.num_target_layers}); it uses the target's embedding and LM head.
+
+| field | value |
+|---|---|
+| target | {target or "not recorded"} |
+| block_size | {drafter.block_size} |
+| mask_token_id | {drafter.mask_token_id} |
+| drafter layers | {drafter.config.num_hidden_layers} |
+
+## Serving
+
+SGLang:
+
+```
+{commands["sglang"]}
+```
+
+vLLM:
+
+```
+{commands["vllm"]}
+```
+
+Replace the drafter path with the Hub id once uploaded. The reference `dflash` package loads it with
+`dflash.DFlashDraftModel.from_pretrained(path)`.
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "export",
+        help="write a drafter for SGLang / vLLM / dflash",
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument("--drafter", required=True, help="drafter checkpoint directory (config.json + safetensors)")
+    parser.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    parser.add_argument("--target", default=None, help="target model directory or config.json to check against")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        out = export_drafter(args.drafter, args.out, target=args.target)
+    except (ValueError, OSError) as err:
+        print(f"flashdraft export: error: {err}", file=sys.stderr)
+        return 2
+    drafter_config = Qwen3Config.from_pretrained(out)
+    commands = serve_commands(
+        str(out.resolve()), draft_value(drafter_config, "block_size"), args.target or PLACEHOLDER_TARGET
+    )
+    print(f"exported {out}\n  SGLang: {commands['sglang']}\n  vLLM:   {commands['vllm']}")
+    return 0
