@@ -148,7 +148,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--drafter", required=True, help="drafter checkpoint directory (config.json + safetensors)")
     parser.add_argument("--out", required=True, help="output directory (replaced atomically)")
     parser.add_argument("--target", default=None, help="target model directory or config.json to check against")
-    parser.set_defaults(func=run)
+    parser.set_defaults(run=run)
     return parser
 
 
