@@ -34,7 +34,7 @@ def run(capsys, *argv):
     parser = argparse.ArgumentParser(prog="flashdraft")
     export.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["export", *argv])
-    code = args.func(args)
+    code = args.run(args)
     out, err = capsys.readouterr()
     return code, out, err
 
