@@ -17,6 +17,8 @@ from flashdraft.fastpath.backends import DAO_CUDA, FLA, FLASHDRAFT_TRITON, GATED
 from flashdraft.fastpath.patch import GLOBALS, INSTANCE, entry_points, generation_of, linear_attention_layers
 
 NOT_CALLED = "not called"
+# Column headers of the per-layer table (the JSON keeps the full call names).
+SHORT_NAMES = dict(zip(OPS, ("conv", "conv update", "chunk rule", "recurrent rule", "gated norm"), strict=True))
 
 
 @dataclass
@@ -106,7 +108,7 @@ class FastPathReport:
         )
         table.add_column("layer", justify="right")
         for op in OPS:
-            table.add_column(op)
+            table.add_column(SHORT_NAMES[op])
         for layer in self.layers:
             cells = [f"[green]{u.impl}[/]" if u.fast else f"[red]{u.impl}[/]" for u in layer.ops.values()]
             table.add_row(str(layer.index), *cells)
