@@ -1,6 +1,7 @@
-"""The `flashdraft` command: doctor | eval | export.
+"""The `flashdraft` command: doctor | prepare | eval | export.
 
     flashdraft doctor [--json] [--model tiny-family|config.json|model-dir]
+    flashdraft prepare --data PATH|GLOB|s3://... --tokenizer DIR --out DIR
     flashdraft eval --target T --drafter D --prompts FILE.jsonl
     flashdraft export --drafter D --out DIR [--target T]
 
@@ -18,6 +19,7 @@ import sys
 # subcommand -> module providing add_parser(subparsers) and run(args) -> int
 SUBCOMMANDS = {
     "doctor": "flashdraft.cli_doctor",
+    "prepare": "flashdraft.data.prepare",
     "eval": "flashdraft.spec.evaluate",
     "export": "flashdraft.export",
 }

@@ -1,0 +1,303 @@
+"""Find and stream training records: JSONL (`.jsonl`, `.jsonl.gz`) or Parquet, local or `s3://` (via fsspec/s3fs).
+
+    files = resolve_sources(["data/*.jsonl", "s3://bucket/chat/"], endpoint_url=None)
+    for rec in iter_records(files, report):        # rec.data: dict; rec.where(): "file:line" / "file row N"
+        ...
+
+A spec is a file, a directory (searched recursively), a glob, or the same on a remote store. Remote files are read
+as streams — JSONL line by line through a read-ahead buffer, Parquet row group by row group — so a large dataset is
+never downloaded in full before work starts. S3 credentials come from the usual AWS variables and profiles (s3fs /
+botocore resolve them); an S3-compatible store is reached with `endpoint_url` or `AWS_ENDPOINT_URL`. Messages show
+paths with any embedded credentials removed, and never a secret.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsspec.core import url_to_fs
+
+from flashdraft.data.errors import DataError, DataReport, redact
+
+SUFFIXES = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}
+_GLOB_CHARS = "*?["
+_HAS_USERINFO = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/]*@")
+_CREDENTIAL_HINT = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE / ~/.aws/credentials); "
+    "for an S3-compatible store also --endpoint-url or AWS_ENDPOINT_URL"
+)
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One input file. `url` is for messages (protocol included, credentials removed); `path` is the fs path."""
+
+    url: str
+    path: str
+    kind: str  # "jsonl" | "parquet"
+    size: int
+    fingerprint: str  # size + mtime (local) or ETag (remote): identifies the content without reading it
+    fs: Any = field(compare=False, repr=False)
+
+
+@dataclass
+class Record:
+    data: dict | None
+    source: str
+    line: int | None = None  # 1-based line of a JSONL file
+    row: int | None = None  # 0-based row of a Parquet file
+    error: DataError | None = None  # a bad line/row/file (only with iter_records(..., yield_errors=True))
+
+    def where(self) -> str:
+        if self.line is None and self.row is None:
+            return self.source
+        return f"{self.source}:{self.line}" if self.line is not None else f"{self.source} row {self.row}"
+
+
+def file_kind(path: str) -> str | None:
+    name = path.lower()
+    for suffix, kind in SUFFIXES.items():
+        if name.endswith(suffix):
+            return kind
+    return None
+
+
+def storage_options_for(protocol: str, endpoint_url: str | None = None) -> dict:
+    """fsspec options for a protocol: S3 gets `endpoint_url` (argument, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL)."""
+    if protocol not in ("s3", "s3a"):
+        return {}
+    url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    # A fresh instance: fsspec caches filesystems by options, and a cached one would keep credentials (or their
+    # absence) from before the environment changed.
+    opts: dict[str, Any] = {"skip_instance_cache": True}
+    if url:
+        opts["endpoint_url"] = url
+    return opts
+
+
+def _remote_error(exc: BaseException, url: str) -> DataError:
+    """Turn an fsspec/s3fs/botocore exception into a DataError that names the path and says how to fix it."""
+    name = type(exc).__name__
+    text = redact(str(exc))
+    if name in ("NoCredentialsError", "PartialCredentialsError") or "Unable to locate credentials" in text:
+        return DataError(f"no S3 credentials found: {_CREDENTIAL_HINT}", reason="unreadable_file", source=url,
+                         skippable=False)  # fmt: skip
+    if isinstance(exc, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text:
+        return DataError(f"access denied ({name}): check the credentials and the bucket policy", source=url,
+                         reason="unreadable_file", skippable=False)  # fmt: skip
+    if isinstance(exc, FileNotFoundError):
+        return DataError("no such file, directory or bucket", reason="unreadable_file", source=url, skippable=False)
+    return DataError(f"cannot read ({name}: {text})", reason="unreadable_file", source=url, skippable=False)
+
+
+def _display(protocol: str, path: str) -> str:
+    return redact(path if protocol in ("file", "local") else f"{protocol}://{path}")
+
+
+def _fingerprint(info: dict) -> str:
+    tag = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or ""
+    return f"{info.get('size')}:{tag}"
+
+
+def resolve_sources(specs: Sequence[str], *, endpoint_url: str | None = None) -> list[SourceFile]:
+    """The input files of `specs` (files, directories, globs; local or remote), in order, each spec sorted.
+
+    Raises a non-skippable DataError naming the spec when it matches nothing, names an unsupported file type, or
+    the store cannot be reached (no credentials, access denied, no such bucket).
+    """
+    files: list[SourceFile] = []
+    for spec in specs:
+        spec = os.path.expanduser(str(spec))
+        shown = redact(spec)
+        if _HAS_USERINFO.match(spec):
+            raise DataError("credentials inside the URL are not supported (they would end up in logs): use "
+                            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or a profile", reason="unreadable_file",
+                            source=shown, skippable=False)  # fmt: skip
+        protocol = spec.split("://", 1)[0] if "://" in spec else "file"
+        try:
+            fs, root = url_to_fs(spec, **storage_options_for(protocol, endpoint_url))
+        except ImportError as exc:
+            raise DataError(f"no filesystem for '{protocol}://' ({exc}); for S3 install s3fs (pip install s3fs)",
+                            reason="unreadable_file", source=shown, skippable=False) from None  # fmt: skip
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        try:
+            infos = _expand(fs, root)
+        except DataError as err:
+            raise err.at(shown) from None
+        except Exception as exc:
+            raise _remote_error(exc, shown) from None
+        if not infos:
+            raise DataError("matches no .jsonl, .jsonl.gz or .parquet file", reason="unreadable_file", source=shown,
+                            skippable=False)  # fmt: skip
+        for path, info in infos:
+            size = int(info.get("size") or 0)
+            files.append(SourceFile(url=_display(protocol, path), path=path, kind=file_kind(path), size=size,
+                                    fingerprint=_fingerprint(info), fs=fs))  # fmt: skip
+    return files
+
+
+def _expand(fs, root: str) -> list[tuple[str, dict]]:
+    if any(c in root for c in _GLOB_CHARS):
+        found = fs.glob(root, detail=True)
+        return sorted((p, i) for p, i in found.items() if i.get("type") != "directory" and file_kind(p))
+    info = fs.info(root)  # FileNotFoundError when absent
+    if info.get("type") == "directory":
+        found = fs.find(root, detail=True)
+        return sorted((p, i) for p, i in found.items() if file_kind(p))
+    if file_kind(root) is None:
+        raise DataError("unsupported file type: expected .jsonl, .jsonl.gz or .parquet", reason="unreadable_file",
+                        skippable=False)  # fmt: skip
+    return [(root, info)]
+
+
+def iter_records(
+    files: Sequence[SourceFile], report: DataReport | None = None, progress=None, *, yield_errors: bool = False
+) -> Iterator[Record]:
+    """Stream the records of `files` in order; `progress(nbytes)` is called as bytes are read.
+
+    A bad line/row or an unreadable file goes to `report.skip` (which raises unless `report.skip_bad`; without a
+    report the first one raises). With `yield_errors` it is yielded in its place as a Record with `error` set, so
+    a consumer that finds more errors later (e.g. while tokenising) can report them all in file order. Errors
+    `--skip-bad` must not hide (missing credentials, access denied) are always raised.
+    """
+    report = report if report is not None else DataReport()
+    for f in files:
+        report.files += 1
+        reader = _iter_jsonl if f.kind == "jsonl" else _iter_parquet
+        try:
+            for rec in reader(f, report, progress):
+                if rec.error is None or yield_errors:
+                    yield rec
+                else:
+                    report.skip(rec.error)
+            continue
+        except DataError as exc:
+            bad = exc.at(f.url)
+        except (OSError, EOFError, zlib.error) as exc:
+            if isinstance(exc, (FileNotFoundError, PermissionError)) or "credentials" in str(exc).lower():
+                raise _remote_error(exc, f.url) from None
+            bad = DataError(f"unreadable or corrupt file ({type(exc).__name__}: {redact(str(exc))})",
+                            reason="unreadable_file", source=f.url)  # fmt: skip
+        except Exception as exc:
+            if type(exc).__module__.startswith(("botocore", "aiobotocore", "s3fs")):
+                raise _remote_error(exc, f.url) from None
+            raise
+        if yield_errors and bad.skippable:
+            yield Record(None, f.url, error=bad)
+        else:
+            report.skip(bad)
+
+
+class _Counting:
+    """A read-only binary stream that reports bytes read, so progress is in bytes of the (compressed) source."""
+
+    def __init__(self, raw, progress):
+        self.raw, self.progress = raw, progress
+
+    def read(self, n=-1):
+        data = self.raw.read(n)
+        if self.progress is not None and data:
+            self.progress(len(data))
+        return data
+
+    def readable(self):
+        return True
+
+    def close(self):
+        pass
+
+
+def _iter_jsonl(f: SourceFile, report: DataReport, progress) -> Iterator[Record]:
+    try:
+        raw = f.fs.open(f.path, "rb")
+    except Exception as exc:
+        raise _remote_error(exc, f.url) from None
+    with raw:
+        stream = _Counting(raw, progress)
+        lines = gzip.GzipFile(fileobj=stream, mode="rb") if f.path.lower().endswith(".gz") else _lines(stream)
+        n_records = 0
+        for lineno, line in enumerate(lines, start=1):
+            if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]
+            if not line.strip():
+                continue
+            n_records += 1
+            report.records += 1
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield _bad(f, lineno, f"not valid UTF-8 (byte {exc.start}: {line[exc.start : exc.start + 1]!r})",
+                           "non_utf8")  # fmt: skip
+                continue
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                yield _bad(f, lineno, f"malformed JSON: {exc.msg} (column {exc.colno})", "malformed_json")
+                continue
+            if not isinstance(data, dict):
+                yield _bad(f, lineno, f"expected a JSON object, got {type(data).__name__}", "not_an_object")
+                continue
+            yield Record(data, f.url, line=lineno)
+        if n_records == 0:
+            raise DataError("empty file (no records)", reason="empty_file", source=f.url)
+
+
+def _bad(f: SourceFile, line: int, what: str, reason: str) -> Record:
+    return Record(None, f.url, line=line, error=DataError(what, reason=reason, source=f.url, line=line))
+
+
+def _lines(stream, chunk: int = 1 << 20) -> Iterator[bytes]:
+    """Lines of a binary stream, read in `chunk`-byte pieces (fsspec files are not always line-iterable)."""
+    buf = b""
+    while True:
+        data = stream.read(chunk)
+        if not data:
+            break
+        buf += data
+        *complete, buf = buf.split(b"\n")
+        yield from complete
+    if buf:
+        yield buf
+
+
+def _iter_parquet(f: SourceFile, report: DataReport, progress) -> Iterator[Record]:
+    import pyarrow.parquet as pq
+
+    try:
+        raw = f.fs.open(f.path, "rb")
+    except Exception as exc:
+        raise _remote_error(exc, f.url) from None
+    with raw:
+        try:
+            pf = pq.ParquetFile(raw)
+        except Exception as exc:
+            if type(exc).__module__.startswith(("botocore", "aiobotocore", "s3fs")):
+                raise
+            raise DataError(f"not a readable Parquet file ({type(exc).__name__}: {exc})", reason="unreadable_file",
+                            source=f.url) from None  # fmt: skip
+        meta = pf.metadata
+        if meta.num_rows == 0:
+            raise DataError("empty file (no rows)", reason="empty_file", source=f.url)
+        row = 0
+        done = 0
+        for g in range(meta.num_row_groups):
+            rows = pf.read_row_group(g).to_pylist()
+            if progress is not None:
+                group = meta.row_group(g)
+                nbytes = sum(group.column(c).total_compressed_size for c in range(group.num_columns))
+                nbytes = min(nbytes, max(f.size - done, 0))
+                done += nbytes
+                progress(nbytes)
+            for data in rows:
+                report.records += 1
+                yield Record(data, f.url, row=row)
+                row += 1
+        if progress is not None and f.size > done:
+            progress(f.size - done)
