@@ -1,0 +1,296 @@
+"""Dataclass configs filled from YAML and dotted CLI overrides, validated with messages that name the field.
+
+    cfg = load_config("examples/tiny.yaml", ["train.lr=3e-4", "data.max_length=512"])
+
+Every field is documented by the docstring right under it. Unknown keys, wrong types and impossible values raise
+`ConfigError` naming the dotted field (and the file), what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, of the wrong type or impossible; the message names the field and the fix."""
+
+
+@dataclass(kw_only=True)
+class TargetConfig:
+    path: str = "embedded"
+    """Target model: a local HF directory, a hub id (only when online), or "embedded" (the package's tiny target)."""
+    dtype: str = "auto"
+    """auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32."""
+    trust_remote_code: bool = False
+    """Run code shipped with the target checkpoint. Off unless you trust its author."""
+    attn_implementation: str = "sdpa"
+    """transformers attention implementation of the target."""
+
+
+@dataclass(kw_only=True)
+class DrafterConfig:
+    num_layers: int = 5
+    """Drafter decoder layers (paper: 5)."""
+    block_size: int = 16
+    """Tokens per drafted block, the anchor included (paper: 16)."""
+    target_layer_ids: list[int] | None = None
+    """Target layers whose hidden states condition the drafter; default uniform between 1 and L-3."""
+    mask_token_id: int | None = None
+    """Token id of MASK; default chosen from the tokenizer's unused ids (see flashdraft.drafter.mask_token)."""
+    init_from: str | None = None
+    """An existing drafter checkpoint to fine-tune instead of a fresh initialisation."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Qwen3 config fields of the drafter that differ from the target's (e.g. intermediate_size)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train: list[str] = field(default_factory=lambda: ["embedded"])
+    """Training data: JSONL/Parquet paths, globs or s3:// URLs, or "embedded" (the package's small dataset)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; default: the target's."""
+    format: str = "auto"
+    """auto | chat | sharegpt | text | tokenized."""
+    max_length: int = 3072
+    """Longest training sequence in tokens."""
+    overlong: str = "truncate"
+    """What to do with longer samples: truncate | drop (counted and reported either way)."""
+    skip_bad: bool = False
+    """Skip malformed records (counted and reported) instead of stopping at the first."""
+    drop_thinking: bool = False
+    """Remove <think> content from assistant turns before templating."""
+    shards: str | None = None
+    """Where tokenised shards are written once and reused; default: OUT/shards."""
+
+
+@dataclass(kw_only=True)
+class RecipeConfig:
+    num_anchors: int = 512
+    """Anchor positions (blocks) sampled per sequence and epoch (paper: 512)."""
+    gamma: float | None = None
+    """Loss decay over block positions, w_k = exp(-(k-1)/gamma); default by block size (16: 7, 10: 5, 8: 4)."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 6e-4
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    warmup_ratio: float = 0.04
+    """Fraction of steps of linear warm-up before the cosine decay."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of lr."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    epochs: int = 6
+    """Passes over the data (paper: 6)."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (overrides epochs when smaller)."""
+    batch_size: int = 1
+    """Sequences per micro-batch per rank."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    seed: int = 0
+    """Seed of initialisation, data order and anchors."""
+    compile: bool = False
+    """torch.compile the drafter layers (single-threaded compile)."""
+    device: str = "auto"
+    """auto | cpu | cuda."""
+
+
+@dataclass(kw_only=True)
+class LogConfig:
+    out: str = "runs/default"
+    """Output directory: checkpoints, metrics.jsonl, training_curve.png."""
+    every: int = 10
+    """Log every N optimizer steps."""
+    checkpoint_every: int = 200
+    """Write a checkpoint every N optimizer steps (and at the end)."""
+    keep_checkpoints: int = 2
+    """Most recent checkpoints kept."""
+    trackers: list[str] = field(default_factory=list)
+    """Optional trackers: wandb, tensorboard, trackio (used when installed)."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def validate(self) -> RunConfig:
+        checks = [
+            ("drafter.num_layers", self.drafter.num_layers >= 1, "must be >= 1"),
+            ("drafter.block_size", self.drafter.block_size >= 2, "must be >= 2 (the anchor plus one drafted token)"),
+            ("data.max_length", self.data.max_length >= self.drafter.block_size, "must be >= drafter.block_size"),
+            ("data.overlong", self.data.overlong in ("truncate", "drop"), "must be 'truncate' or 'drop'"),
+            ("data.format", self.data.format in ("auto", "chat", "sharegpt", "text", "tokenized"),
+             "must be one of auto, chat, sharegpt, text, tokenized"),
+            ("data.train", bool(self.data.train), "needs at least one path"),
+            ("recipe.num_anchors", self.recipe.num_anchors >= 1, "must be >= 1"),
+            ("recipe.gamma", self.recipe.gamma is None or self.recipe.gamma > 0, "must be > 0"),
+            ("optim.lr", self.optim.lr > 0, "must be > 0"),
+            ("optim.warmup_ratio", 0 <= self.optim.warmup_ratio < 1, "must be in [0, 1)"),
+            ("optim.grad_clip", self.optim.grad_clip > 0, "must be > 0"),
+            ("optim.betas", len(self.optim.betas) == 2 and all(0 <= b < 1 for b in self.optim.betas),
+             "must be two numbers in [0, 1)"),
+            ("train.epochs", self.train.epochs >= 1, "must be >= 1"),
+            ("train.max_steps", self.train.max_steps is None or self.train.max_steps >= 1, "must be >= 1"),
+            ("train.batch_size", self.train.batch_size >= 1, "must be >= 1"),
+            ("train.grad_accum", self.train.grad_accum >= 1, "must be >= 1"),
+            ("train.device", self.train.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
+            ("target.dtype", self.target.dtype in ("auto", "bfloat16", "float16", "float32"),
+             "must be auto, bfloat16, float16 or float32"),
+            ("log.every", self.log.every >= 1, "must be >= 1"),
+            ("log.checkpoint_every", self.log.checkpoint_every >= 1, "must be >= 1"),
+            ("log.keep_checkpoints", self.log.keep_checkpoints >= 1, "must be >= 1"),
+        ]  # fmt: skip
+        for name, ok, why in checks:
+            if not ok:
+                raise ConfigError(f"{name} = {_get(self, name)!r}: {why}")
+        ids = self.drafter.target_layer_ids
+        if ids is not None and (len(set(ids)) != len(ids) or any(i < 0 for i in ids)):
+            raise ConfigError(f"drafter.target_layer_ids = {ids}: must be distinct, non-negative layer indices")
+        return self
+
+
+def _get(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_type(value: Any, hint: Any, where: str) -> Any:
+    """Coerce/validate `value` against a type hint; ints are accepted for floats."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check_type(value, arg, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {hint}")
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(hint) or (Any,)
+        return [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):
+        # YAML 1.1 reads "1e-3" (no dot) as a string; a float field takes it as the number it plainly is.
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if hint in (int, float) and isinstance(value, bool) or not isinstance(value, hint):
+        raise ConfigError(f"{where}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def from_dict(cls, data: dict, prefix: str = ""):
+    """Build dataclass `cls` from a nested mapping; unknown keys and wrong types raise ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else f"; valid: {', '.join(fields)}"
+            raise ConfigError(f"unknown field {where}{hint}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = from_dict(hint, value or {}, prefix=f"{where}.")
+        else:
+            kwargs[key] = _check_type(value, hint, where)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {part} is not a section")
+    node[leaf] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """YAML file (optional) + `section.field=value` overrides (values parsed as YAML) → validated RunConfig."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected section.field=value")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    try:
+        return from_dict(RunConfig, tree).validate()
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def describe_fields(cls=RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, doc) of every field — for `flashdraft train --help-config`."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    for node, nxt in zip(body, body[1:] + [None], strict=True):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += describe_fields(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append((f"{prefix}{f.name}", repr(default), docs.get(f.name, "")))
+    return rows

@@ -1,0 +1,61 @@
+import pytest
+
+from flashdraft.config import ConfigError, RunConfig, describe_fields, load_config
+
+
+def test_defaults_are_the_paper_recipe():
+    cfg = load_config()
+    assert isinstance(cfg, RunConfig)
+    assert (cfg.drafter.num_layers, cfg.drafter.block_size, cfg.recipe.num_anchors) == (5, 16, 512)
+    assert (cfg.optim.lr, cfg.optim.grad_clip, cfg.optim.warmup_ratio, cfg.train.epochs) == (6e-4, 1.0, 0.04, 6)
+    assert cfg.data.max_length == 3072
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  max_steps: 7\noptim:\n  lr: 3.0e-4\ndata:\n  train: [a.jsonl, 's3://b/*.jsonl']\n")
+    cfg = load_config(path, ["optim.lr=1e-3", "drafter.target_layer_ids=[1, 3]", "log.trackers=[wandb]"])
+    assert cfg.train.max_steps == 7 and cfg.optim.lr == 1e-3
+    assert cfg.data.train == ["a.jsonl", "s3://b/*.jsonl"] and cfg.drafter.target_layer_ids == [1, 3]
+    assert cfg.log.trackers == ["wandb"]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lr=1", "unknown field train.lr"),
+        ("train.max_step=3", "did you mean train.max_steps"),
+        ("optim.lr=abc", "optim.lr: expected float, got str"),
+        ("train.epochs=true", "train.epochs: expected int, got bool"),
+        ("drafter.block_size=1", "drafter.block_size = 1: must be >= 2"),
+        ("data.max_length=4", "data.max_length = 4: must be >= drafter.block_size"),
+        ("data.overlong=cut", "data.overlong"),
+        ("optim.betas=[0.9]", "optim.betas"),
+        ("drafter.target_layer_ids=[2, 2]", "must be distinct"),
+        ("recipe.num_anchors=0", "recipe.num_anchors = 0"),
+        ("log.trackers=wandb", "log.trackers: expected a list"),
+        ("nonsense", "expected section.field=value"),
+    ],
+)
+def test_bad_values_name_the_field(override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        load_config(None, [override])
+
+
+def test_bad_file_is_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train: {epochs: 0}\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: train.epochs = 0"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    path.write_text("train: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+
+
+def test_every_field_is_documented():
+    rows = describe_fields()
+    assert len(rows) > 30
+    undocumented = [name for name, _, doc in rows if not doc]
+    assert undocumented == []
