@@ -1,0 +1,304 @@
+"""causal_conv1d on a GPU: flashdraft's Triton kernels beside transformers' torch fallback, fla's Triton conv and
+Dao-AILab's CUDA causal-conv1d (when importable), all measured in one process on the same inputs.
+
+  forward   bf16, D=10240, W=4, silu, x channel-last (B, L) in (1, 8192), (4, 4096), (8, 8192)
+            GB/s = (x read + y written) / median time; flashdraft and Dao also with x channel-first
+  backward  same shapes, bias None: GB/s = (x read + dy read + dx written) / median time of the backward alone
+            (dweight included in the time)
+  update    B=64, D=10240, W=4, one token, bf16: us per call, CUDA events around one call (host overhead included,
+            as a decode step sees it) and triton.testing.do_bench (back-to-back calls)
+
+Every row carries its relative error (norm) against a float32 torch computation on the same inputs; a speed-up is
+reported only when both sides are correct (relerr <= 1e-2).
+Run on a GPU: python bench/kernels_conv.py [--json OUT.json] [--quick]
+Called by bench/kernels.py as run_all() / print_table().
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+DEVICE = "cuda"
+D, W = 10240, 4
+FWD_SHAPES = [(1, 8192), (4, 4096), (8, 8192)]
+UPDATE_BATCH = 64
+RELERR_OK = 1e-2
+
+
+def torch_conv_fn(x, weight, bias=None, activation=None):
+    """transformers' torch fallback (modeling_qwen3_5.causal_conv1d_fn), same semantics."""
+    seqlen = x.shape[-1]
+    out = F.conv1d(x.to(weight.dtype), weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=x.shape[1])
+    out = out[..., :seqlen]
+    return (F.silu(out) if activation in ("silu", "swish") else out).to(x.dtype)
+
+
+def torch_conv_update(x, conv_state, weight, bias=None, activation=None):
+    """transformers' torch fallback (modeling_qwen3_5.causal_conv1d_update), same semantics."""
+    seqlen, state_len = x.shape[-1], conv_state.shape[-1]
+    xs = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
+    conv_state.copy_(xs[..., -state_len:])
+    out = F.conv1d(xs, weight.unsqueeze(1), bias, padding=0, groups=x.shape[1])[..., -seqlen:]
+    return (F.silu(out) if activation in ("silu", "swish") else out).to(x.dtype)
+
+
+def _providers() -> dict:
+    """name -> (fn(x, w, activation) -> y, update(x, state, w, activation) -> y) or a note why it is missing."""
+    from flashdraft.kernels import causal_conv1d_fn, causal_conv1d_update
+
+    out = {
+        "flashdraft": (
+            lambda x, w, act: causal_conv1d_fn(x, w, None, activation=act),
+            lambda x, st, w, act: causal_conv1d_update(x, st, w, None, act),
+        ),
+        "torch": (
+            lambda x, w, act: torch_conv_fn(x, w, None, act),
+            lambda x, st, w, act: torch_conv_update(x, st, w, None, act),
+        ),
+    }
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d as fla_fn
+        from fla.modules.causal_conv1d import causal_conv1d_update as fla_update
+
+        out["fla"] = (
+            lambda x, w, act: fla_fn(x.transpose(1, 2), w, None, activation=act)[0].transpose(1, 2),
+            lambda x, st, w, act: fla_update(x.transpose(1, 2), st, weight=w, activation=act)[0].transpose(1, 2),
+        )
+    except Exception as exc:  # noqa: BLE001 - a missing anchor is reported, not fatal
+        out["fla"] = f"not importable: {type(exc).__name__}: {str(exc)[:120]}"
+    try:
+        from causal_conv1d import causal_conv1d_fn as dao_fn
+        from causal_conv1d import causal_conv1d_update as dao_update
+
+        out["dao"] = (
+            lambda x, w, act: dao_fn(x, w, None, activation=act),
+            lambda x, st, w, act: dao_update(x, st, w, None, act),
+        )
+    except Exception as exc:  # noqa: BLE001
+        out["dao"] = f"not importable: {type(exc).__name__}: {str(exc)[:120]}"
+    return out
+
+
+def _relerr(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def _median_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    fn()  # compile and autotune outside the measurement
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def _event_us(fn, iters: int = 200, warmup: int = 20) -> float:
+    """Median of CUDA events around a single call, synchronising between calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _tuned_configs() -> dict:
+    """The configs flashdraft's autotuner picked, per (kernel, element size) and key."""
+    from flashdraft.kernels.causal_conv1d import backward, forward
+
+    out = {}
+    for name, mod in (("fwd", forward), ("bwd", backward)):
+        for (kind, size), tuner in mod._tuned.items():
+            for key, cfg in tuner.cache.items():
+                out[f"{name}-{kind}-{size}B-{key[:3]}"] = f"{cfg.kwargs} warps={cfg.num_warps}"
+    return out
+
+
+def _add_speedups(rows: list[dict], key: str) -> None:
+    """flashdraft's speed-up over each correct anchor of the same case, only if flashdraft is correct."""
+    cases: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cases.setdefault(r["case"], []).append(r)
+    for group in cases.values():
+        mine = [r for r in group if r["provider"] == "flashdraft" and r.get("ok")]
+        if not mine:
+            continue
+        for r in group:
+            if r["provider"] != "flashdraft" and r.get("ok"):
+                mine[0].setdefault("speedup_vs", {})[r["provider"]] = round(r[key] / mine[0][key], 3)
+
+
+def bench_forward(shapes=FWD_SHAPES) -> list[dict]:
+    providers = _providers()
+    rows = []
+    torch.manual_seed(0)
+    w = (torch.randn(D, W, device=DEVICE) * 0.5).bfloat16()
+    for batch, seqlen in shapes:
+        base = torch.randn(batch, seqlen, D, device=DEVICE, dtype=torch.bfloat16)
+        for layout in ("channel_last", "channel_first"):
+            x = base.transpose(1, 2) if layout == "channel_last" else base.transpose(1, 2).contiguous()
+            ref = torch_conv_fn(x.float(), w.float(), None, "silu")
+            nbytes = 2 * x.numel() * x.element_size()
+            case = f"B={batch} L={seqlen} {layout}"
+            for name, prov in providers.items():
+                if layout == "channel_first" and name not in ("flashdraft", "dao"):
+                    continue
+                row = {"case": case, "provider": name, "B": batch, "L": seqlen, "layout": layout}
+                if isinstance(prov, str):
+                    rows.append({**row, "note": prov})
+                    continue
+                try:
+                    fn = lambda f=prov[0], x=x: f(x, w, "silu")  # noqa: E731
+                    row["relerr"] = _relerr(fn(), ref)
+                    row["ok"] = row["relerr"] <= RELERR_OK
+                    row["ms"] = _median_ms(fn)
+                    row["GBps"] = nbytes / row["ms"] / 1e6
+                except Exception as exc:  # noqa: BLE001
+                    row["note"] = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
+                rows.append(row)
+                print(_fmt(row), flush=True)
+            del ref
+        del base
+    _add_speedups(rows, "ms")
+    return rows
+
+
+def bench_backward(shapes=FWD_SHAPES) -> list[dict]:
+    providers = _providers()
+    rows = []
+    torch.manual_seed(1)
+    w0 = (torch.randn(D, W, device=DEVICE) * 0.5).bfloat16()
+    for batch, seqlen in shapes:
+        x0 = torch.randn(batch, seqlen, D, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+        dy = torch.randn(batch, seqlen, D, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+        xf = x0.detach().float().requires_grad_()
+        wf = w0.detach().float().requires_grad_()
+        dx_ref, dw_ref = torch.autograd.grad(torch_conv_fn(xf, wf, None, "silu"), (xf, wf), dy.float())
+        del xf, wf
+        nbytes = 3 * x0.numel() * x0.element_size()
+        case = f"B={batch} L={seqlen} channel_last"
+        for name, prov in providers.items():
+            row = {"case": case, "provider": name, "B": batch, "L": seqlen, "layout": "channel_last"}
+            if isinstance(prov, str):
+                rows.append({**row, "note": prov})
+                continue
+            try:
+                x = x0.detach().clone().requires_grad_()
+                w = w0.detach().clone().requires_grad_()
+                y = prov[0](x, w, "silu")
+                dx, dw = torch.autograd.grad(y, (x, w), dy, retain_graph=True)
+                row["relerr"] = _relerr(dx, dx_ref)
+                row["relerr_dweight"] = _relerr(dw, dw_ref)
+                row["ok"] = max(row["relerr"], row["relerr_dweight"]) <= RELERR_OK
+                row["ms"] = _median_ms(
+                    lambda y=y, x=x, w=w, dy=dy: torch.autograd.grad(y, (x, w), dy, retain_graph=True)
+                )
+                row["GBps"] = nbytes / row["ms"] / 1e6
+                del y, x, w, dx, dw
+            except Exception as exc:  # noqa: BLE001
+                row["note"] = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
+            rows.append(row)
+            print(_fmt(row), flush=True)
+        del x0, dy, dx_ref, dw_ref
+    _add_speedups(rows, "ms")
+    return rows
+
+
+def bench_update(batch: int = UPDATE_BATCH) -> list[dict]:
+    providers = _providers()
+    rows = []
+    torch.manual_seed(2)
+    w = (torch.randn(D, W, device=DEVICE) * 0.5).bfloat16()
+    x = torch.randn(batch, D, 1, device=DEVICE, dtype=torch.bfloat16)
+    state0 = torch.randn(batch, D, W, device=DEVICE, dtype=torch.bfloat16)
+    state_ref = state0.float()
+    y_ref = torch_conv_update(x.float(), state_ref, w.float(), None, "silu")
+    case = f"B={batch} D={D} 1 token"
+    for name, prov in providers.items():
+        row = {"case": case, "provider": name, "B": batch}
+        if isinstance(prov, str):
+            rows.append({**row, "note": prov})
+            continue
+        try:
+            state = state0.clone()
+            y = prov[1](x, state, w, "silu")
+            row["relerr"] = _relerr(y, y_ref)
+            row["state_exact"] = bool(torch.equal(state.float(), state_ref))
+            row["ok"] = row["relerr"] <= RELERR_OK and row["state_exact"]
+            fn = lambda f=prov[1], state=state: f(x, state, w, "silu")  # noqa: E731
+            row["us_event"] = _event_us(fn)
+            row["us_bench"] = _median_ms(fn) * 1e3
+        except Exception as exc:  # noqa: BLE001
+            row["note"] = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
+        rows.append(row)
+        print(_fmt(row), flush=True)
+    _add_speedups(rows, "us_event")
+    return rows
+
+
+def _fmt(r: dict) -> str:
+    head = f"{r['case']:32s} {r['provider']:11s}"
+    if "note" in r:
+        return f"{head} -- {r['note']}"
+    if "us_event" in r:
+        body = f"{r['us_event']:8.1f} us/call (events) {r['us_bench']:8.1f} us (do_bench)"
+    else:
+        body = f"{r['ms']:8.3f} ms {r['GBps']:7.0f} GB/s"
+    err = f"relerr {r['relerr']:.1e}" + (f"/{r['relerr_dweight']:.1e}" if "relerr_dweight" in r else "")
+    ok = "" if r.get("ok") else "  WRONG"
+    speed = "".join(f"  {v:.2f}x {k}" for k, v in r.get("speedup_vs", {}).items())
+    return f"{head} {body}  {err}{ok}{speed}"
+
+
+def run_all(quick: bool = False) -> dict:
+    shapes = FWD_SHAPES[:1] if quick else FWD_SHAPES
+    print("=== causal_conv1d forward (bf16, D=10240, W=4, silu) ===", flush=True)
+    result = {"forward": bench_forward(shapes)}
+    print("=== causal_conv1d backward (bf16, channel-last) ===", flush=True)
+    result["backward"] = bench_backward(shapes)
+    print("=== causal_conv1d_update (B=64, one token) ===", flush=True)
+    result["update"] = bench_update()
+    result["flashdraft_configs"] = _tuned_configs()
+    return result
+
+
+def print_table(result: dict) -> None:
+    for section in ("forward", "backward", "update"):
+        print(f"--- conv {section} ---")
+        for r in result.get(section, []):
+            print(_fmt(r))
+    for k, v in result.get("flashdraft_configs", {}).items():
+        print(f"config {k}: {v}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--quick", action="store_true", help="only the first forward/backward shape")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/kernels_conv.py needs a CUDA device")
+    result = run_all(args.quick)
+    result["gpu"] = torch.cuda.get_device_name()
+    print("\n=== summary ===")
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

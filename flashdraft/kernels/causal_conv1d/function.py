@@ -1,0 +1,160 @@
+"""`causal_conv1d_fn`: the differentiable causal depthwise conv1d (drop-in for causal-conv1d 1.7.0)."""
+
+from __future__ import annotations
+
+import torch
+
+from flashdraft.kernels.causal_conv1d.backward import causal_conv1d_bwd
+from flashdraft.kernels.causal_conv1d.forward import (
+    INTERPRET,
+    _empty_like_output,
+    causal_conv1d_fwd,
+    is_channel_last,
+)
+from flashdraft.kernels.causal_conv1d.reference import check_activation
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _desc(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} ({t.dtype}, {t.device})"
+
+
+def _check_args(x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        got = _desc(x) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"expected x of shape (B, D, L), got {got}")
+    batch, dim, seqlen = x.shape
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"expected x of dtype float32, float16 or bfloat16, got {x.dtype}")
+    if seqlen < 1:
+        raise ValueError(f"expected x with L >= 1, got {_desc(x)}")
+    if weight.dim() != 2 or weight.shape[0] != dim or not 2 <= weight.shape[1] <= 4:
+        raise ValueError(f"expected weight of shape (D, W) = ({dim}, W) with 2 <= W <= 4, got {_desc(weight)}")
+    if weight.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"expected weight of dtype float32, float16 or bfloat16, got {weight.dtype}")
+    width = weight.shape[1]
+    if bias is not None and (bias.shape != (dim,) or bias.dtype not in _FLOAT_DTYPES):
+        raise ValueError(f"expected bias of shape (D,) = ({dim},), float32, float16 or bfloat16, got {_desc(bias)}")
+    if seq_idx is not None:
+        if seq_idx.shape != (batch, seqlen) or seq_idx.dtype != torch.int32:
+            raise ValueError(
+                f"expected seq_idx of shape (B, L) = ({batch}, {seqlen}) and dtype torch.int32, got {_desc(seq_idx)}"
+            )
+        if return_final_states:
+            raise ValueError("expected return_final_states=False with seq_idx (as causal-conv1d), got True")
+    if initial_states is not None and (
+        initial_states.shape != (batch, dim, width - 1) or initial_states.dtype != x.dtype
+    ):
+        raise ValueError(
+            f"expected initial_states of shape (B, D, W-1) = ({batch}, {dim}, {width - 1}) and the dtype of x "
+            f"({x.dtype}), got {_desc(initial_states)}"
+        )
+    if (
+        return_final_states
+        and final_states_out is not None
+        and (final_states_out.shape != (batch, dim, width - 1) or final_states_out.dtype != x.dtype)
+    ):
+        raise ValueError(
+            f"expected final_states_out of shape (B, D, W-1) = ({batch}, {dim}, {width - 1}) and the dtype of x "
+            f"({x.dtype}), got {_desc(final_states_out)}"
+        )
+    for name, t in (
+        ("weight", weight),
+        ("bias", bias),
+        ("seq_idx", seq_idx),
+        ("initial_states", initial_states),
+        ("final_states_out", final_states_out if return_final_states else None),
+    ):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"expected {name} on the device of x ({x.device}), got {t.device}")
+    if not (x.is_cuda or INTERPRET):
+        raise RuntimeError(
+            f"causal_conv1d_fn runs Triton kernels: it needs CUDA tensors, or TRITON_INTERPRET=1 set before "
+            f"flashdraft.kernels is imported; got x on {x.device}"
+        )
+
+
+class CausalConv1dFunction(torch.autograd.Function):
+    """Autograd of the causal conv1d: forward and backward are Triton kernels (see forward.py, backward.py)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, silu):
+        final_states = None
+        if return_final_states:
+            final_states = final_states_out
+            if final_states is None:
+                batch, dim, _ = x.shape
+                shape = (batch, dim, weight.shape[1] - 1)
+                final_states = _empty_like_output(shape, x.dtype, x.device, is_channel_last(x))
+            else:
+                ctx.mark_dirty(final_states)
+        y = causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, final_states, silu)
+        ctx.save_for_backward(x, weight, bias, seq_idx, initial_states)
+        ctx.silu = silu
+        ctx.return_final_states = return_final_states
+        return (y, final_states) if return_final_states else y
+
+    @staticmethod
+    def backward(ctx, dy, *rest):
+        x, weight, bias, seq_idx, initial_states = ctx.saved_tensors
+        dfinal_states = rest[0] if ctx.return_final_states else None
+        dx, dweight, dbias, dinitial_states = causal_conv1d_bwd(
+            x,
+            weight,
+            bias,
+            seq_idx,
+            initial_states,
+            dy,
+            dfinal_states,
+            ctx.silu,
+            need_dinitial_states=ctx.needs_input_grad[4],
+        )
+        return dx, dweight, dbias, None, dinitial_states, None, None, None
+
+
+def causal_conv1d_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    return_final_states: bool = False,
+    final_states_out: torch.Tensor | None = None,
+    activation: str | None = None,
+):
+    """Causal depthwise conv1d, `y[:, d, t] = act(bias[d] + sum_k weight[d, W-1-k] * x[:, d, t-k])`.
+
+    Same signature and semantics as causal-conv1d 1.7.0's `causal_conv1d_fn`, differentiable in x, weight, bias,
+    initial_states (and through the final states).
+
+    Args:
+        x: `[B, D, L]`, channel-first (L contiguous) or channel-last (a transposed view of a contiguous
+            `[B, L, D]`); float32, float16 or bfloat16.
+        weight: `[D, W]`, 2 <= W <= 4, any of those float dtypes (accumulation is float32).
+        bias: `[D]` or None.
+        seq_idx: `[B, L]` int32 ids of packed sequences: x[t-k] reaches y[t] only if both ids are equal; y is 0
+            wherever the id is negative (padding). Initial states belong to the sequence of position 0.
+        initial_states: `[B, D, W-1]` (dtype of x), the inputs before position 0.
+        return_final_states: also return the last W-1 inputs `[B, D, W-1]` (not with seq_idx, as causal-conv1d).
+        final_states_out: `[B, D, W-1]` tensor to write the final states into (returned), or None.
+        activation: None, "silu" or "swish".
+
+    Returns:
+        y `[B, D, L]` (dtype and memory layout of x), or `(y, final_states)` if return_final_states.
+    """
+    silu = check_activation(activation)
+    _check_args(x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out)
+    if bias is not None and bias.stride(0) != 1:
+        # The kernels read bias with unit stride (D floats at most: the copy is free).
+        bias = bias.contiguous()
+    return CausalConv1dFunction.apply(
+        x,
+        weight,
+        bias,
+        seq_idx,
+        initial_states,
+        return_final_states,
+        final_states_out if return_final_states else None,
+        silu,
+    )

@@ -1,0 +1,475 @@
+"""Triton causal conv1d against its float64 reference: outputs, final states, updated conv_state, every gradient.
+
+Inputs are drawn in the test dtype; the reference runs in float64 on exactly those values, so the only expected
+difference is the kernels' float32 accumulation and the final rounding to the output dtype. Tolerances (the same on
+CPU and GPU) sit a few roundings above that: float32 1e-5, float16 2e-3 (2^-11 rounding, with margin), bfloat16
+1e-2 (2^-8 rounding) in relative norm, plus an elementwise bound of a few roundings so that no single element can
+hide in the norm. Outputs are NaN-poisoned (see conftest), so an element a kernel does not write fails.
+
+Axes are combined, not crossed: every value of every axis appears, every (dtype, layout, W) triple is run.
+On CPU: `TRITON_INTERPRET=1 pytest tests/kernels` is implied (conftest); on a GPU the same tests use large shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.conftest import CUDA
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+F32, F16, BF16 = DTYPES
+
+
+def case_id(value) -> str:
+    return str(value)[6:] if isinstance(value, torch.dtype) else str(value)
+
+
+# dtype: (relative norm, elementwise relative, elementwise absolute as a fraction of max |ref|)
+TOL = {
+    torch.float32: (1e-5, 1e-4, 1e-5),
+    torch.float16: (2e-3, 4e-3, 1e-3),
+    torch.bfloat16: (1e-2, 2e-2, 4e-3),
+}
+
+
+def assert_close(actual: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert actual.shape == ref.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(actual).all(), f"{what}: {(~torch.isfinite(actual)).sum().item()} non-finite elements"
+    a, r = actual.double(), ref.double()
+    norm_tol, rtol, atol = TOL[dtype]
+    scale = r.abs().max().clamp_min(1e-30)
+    rel = (a - r).norm() / r.norm().clamp_min(1e-30)
+    assert rel <= norm_tol, f"{what}: relative norm error {rel:.3g} > {norm_tol:g}"
+    bad = (a - r).abs() > rtol * r.abs() + atol * scale
+    assert not bad.any(), f"{what}: {bad.sum().item()} elements off, first at {bad.nonzero()[0].tolist()}"
+
+
+def make_x(gen, shape, dtype, device, channel_last: bool) -> torch.Tensor:
+    batch, dim, seqlen = shape
+    if channel_last:
+        return torch.randn(batch, seqlen, dim, generator=gen).to(device, dtype).transpose(1, 2)
+    return torch.randn(batch, dim, seqlen, generator=gen).to(device, dtype)
+
+
+def make_seq_idx(batch: int, seqlen: int, width: int, device) -> torch.Tensor:
+    """Packed sequences: a boundary inside the first W-1 positions, several more, padding (negative) runs."""
+    seq = torch.empty(batch, seqlen, dtype=torch.int32)
+    for b in range(batch):
+        t = torch.arange(seqlen)
+        ids = (t >= width - 2).int() + (t >= seqlen // 3).int() + (t >= seqlen // 2).int() * 2
+        if b % 2:
+            ids = t.div(3, rounding_mode="floor").int()
+        ids[(t >= (2 * seqlen) // 3) & (t < (2 * seqlen) // 3 + 2)] = -1
+        if seqlen > 4:
+            ids[-1] = -7
+        seq[b] = ids
+    return seq.to(device)
+
+
+def run_fn(cc, x, weight, bias, seq_idx, h0, return_final_states, final_states_out, activation, gen, ref: bool):
+    """Runs causal_conv1d_fn (or its reference in float64) and backpropagates a random loss through y and the
+    final states. Returns (y, final_states, grads of x, weight, bias, initial_states)."""
+    # detach() keeps the exact strides of x (a view stays a view); the kernels never write their inputs.
+    cast = (lambda t: t.detach().double()) if ref else (lambda t: t.detach())
+    inputs = [cast(t).requires_grad_() if t is not None else None for t in (x, weight, bias, h0)]
+    xi, wi, bi, hi = inputs
+    fn = cc.causal_conv1d_ref if ref else cc.causal_conv1d_fn
+    out = fn(xi, wi, bi, seq_idx, hi, return_final_states, final_states_out, activation)
+    y, fs = out if return_final_states else (out, None)
+    dy = torch.randn(y.shape, generator=gen.manual_seed(1)).to(y.device)
+    loss = (y.double() * dy.double()).sum()
+    if fs is not None:
+        dfs = torch.randn(fs.shape, generator=gen.manual_seed(2)).to(y.device)
+        loss = loss + (fs.double() * dfs.double()).sum()
+    loss.backward()
+    return y, fs, [t.grad if t is not None else None for t in inputs]
+
+
+def check_fn(
+    cc,
+    x,
+    weight,
+    bias=None,
+    seq_idx=None,
+    h0=None,
+    return_final_states=False,
+    final_states_out=None,
+    activation=None,
+    gen=None,
+):
+    y, fs, grads = run_fn(
+        cc, x, weight, bias, seq_idx, h0, return_final_states, final_states_out, activation, gen, ref=False
+    )
+    y_ref, fs_ref, grads_ref = run_fn(
+        cc, x, weight, bias, seq_idx, h0, return_final_states, None, activation, gen, ref=True
+    )
+    assert y.dtype == x.dtype
+    channel_last = x.stride(1) == 1 and x.stride(2) != 1
+    assert (y.stride(1) == 1) if channel_last else (y.stride(2) == 1), f"layout of y {y.stride()} vs x {x.stride()}"
+    assert_close(y, y_ref, x.dtype, "y")
+    if return_final_states:
+        # The final states are copies of inputs: exact.
+        assert torch.equal(fs, fs_ref.to(fs.dtype)), "final_states"
+        if final_states_out is not None:
+            assert fs.data_ptr() == final_states_out.data_ptr()
+    for name, g, g_ref, t in zip(
+        ("dx", "dweight", "dbias", "dinitial_states"), grads, grads_ref, (x, weight, bias, h0), strict=True
+    ):
+        if t is not None:
+            assert g.dtype == t.dtype, name
+            assert_close(g, g_ref, t.dtype if t.dtype != torch.float32 else x.dtype, name)
+    return y
+
+
+# Every (dtype, layout, W); bias, activation, weight dtype and shape rotate so that each value appears.
+FN_CASES = [
+    pytest.param(
+        dtype,
+        layout,
+        width,
+        i % 2 == 0,
+        [None, "silu", "swish"][i % 3],
+        i % 4 == 3,
+        ["main", "long", "short", "one"][i % 4],
+        id=f"{str(dtype)[6:]}-{layout}-W{width}-{'bias' if i % 2 == 0 else 'nobias'}-"
+        f"{[None, 'silu', 'swish'][i % 3]}-{'w32' if i % 4 == 3 else 'wsame'}-"
+        f"{['main', 'long', 'short', 'one'][i % 4]}",
+    )
+    for i, (dtype, layout, width) in enumerate(
+        (d, lay, w) for d in DTYPES for lay in ("channel_last", "channel_first") for w in (2, 3, 4)
+    )
+]
+
+
+@pytest.mark.parametrize("dtype, layout, width, has_bias, activation, fp32_weight, size", FN_CASES)
+def test_fn_matches_reference(cc, device, shapes, gen, dtype, layout, width, has_bias, activation, fp32_weight, size):
+    shape = shapes[size]
+    x = make_x(gen, shape, dtype, device, layout == "channel_last")
+    wdtype = torch.float32 if fp32_weight else dtype
+    weight = (torch.randn(shape[1], width, generator=gen) / width**0.5).to(device, wdtype)
+    bias = torch.randn(shape[1], generator=gen).to(device, wdtype) if has_bias else None
+    check_fn(cc, x, weight, bias, activation=activation, gen=gen)
+
+
+@pytest.mark.parametrize(
+    "dtype, layout, width, with_h0, activation",
+    ids=case_id,
+    argvalues=[
+        (torch.bfloat16, "channel_last", 4, False, "silu"),
+        (torch.float32, "channel_last", 3, True, None),
+        (torch.float16, "channel_last", 2, False, None),
+        (torch.float32, "channel_first", 4, False, "silu"),
+        (torch.bfloat16, "channel_first", 3, True, "silu"),
+        (torch.float32, "channel_last", 4, True, "silu"),
+    ],
+)
+def test_seq_idx(cc, device, shapes, gen, dtype, layout, width, with_h0, activation):
+    shape = shapes["main"]
+    batch, dim, seqlen = shape
+    x = make_x(gen, shape, dtype, device, layout == "channel_last")
+    weight = torch.randn(dim, width, generator=gen).to(device, dtype)
+    bias = torch.randn(dim, generator=gen).to(device, dtype)
+    h0 = torch.randn(batch, dim, width - 1, generator=gen).to(device, dtype) if with_h0 else None
+    seq_idx = make_seq_idx(batch, seqlen, width, device)
+    y = check_fn(cc, x, weight, bias, seq_idx=seq_idx, h0=h0, activation=activation, gen=gen)
+    assert (y.transpose(1, 2)[seq_idx < 0] == 0).all(), "padding positions must output exactly 0"
+
+
+@pytest.mark.parametrize(
+    "dtype, layout, width, size, preallocated",
+    ids=case_id,
+    argvalues=[
+        (torch.float32, "channel_last", 4, "main", False),
+        (torch.bfloat16, "channel_last", 4, "one", True),
+        (torch.float16, "channel_last", 3, "short", True),
+        (torch.float32, "channel_first", 4, "one", False),
+        (torch.bfloat16, "channel_first", 2, "main", True),
+        (torch.float32, "channel_last", 2, "long", False),
+    ],
+)
+def test_initial_and_final_states(cc, device, shapes, gen, dtype, layout, width, size, preallocated):
+    batch, dim, seqlen = shape = shapes[size]
+    x = make_x(gen, shape, dtype, device, layout == "channel_last")
+    weight = torch.randn(dim, width, generator=gen).to(device, dtype)
+    h0 = torch.randn(batch, width - 1, dim, generator=gen).to(device, dtype).transpose(1, 2)
+    out = torch.full((batch, dim, width - 1), float("nan"), device=device, dtype=dtype) if preallocated else None
+    check_fn(cc, x, weight, None, h0=h0, return_final_states=True, final_states_out=out, activation="silu", gen=gen)
+
+
+def test_final_states_without_initial_states_short_input(cc, device, gen):
+    # L < W-1: the final states are zero-padded on the left.
+    x = make_x(gen, (2, 24, 1), torch.float32, device, True)
+    weight = torch.randn(24, 4, generator=gen).to(device)
+    check_fn(cc, x, weight, return_final_states=True, gen=gen)
+
+
+@pytest.mark.parametrize("view", ["channel_last_slice", "strided"])
+def test_non_contiguous_views(cc, device, shapes, gen, view):
+    # A channel slice of a wider (B, L, 3D) activation keeps D contiguous with a row stride of 3D; a strided
+    # channel-first view has neither dimension contiguous (causal-conv1d would copy it; the kernels take strides).
+    batch, dim, seqlen = shapes["main"]
+    if view == "channel_last_slice":
+        wide = torch.randn(batch, seqlen, 3 * dim, generator=gen).to(device, BF16)
+        x = wide[..., dim : 2 * dim].transpose(1, 2)
+    else:
+        x = torch.randn(batch, 2 * dim, 2 * seqlen, generator=gen).to(device, BF16)[:, ::2, ::2]
+    assert not x.is_contiguous() and not x.transpose(1, 2).is_contiguous()
+    weight = torch.randn(dim, 4, generator=gen).to(device, BF16)
+    # A strided bias too (copied: the kernels read it with unit stride).
+    bias = torch.randn(2 * dim, generator=gen).to(device, BF16)[::2]
+    check_fn(cc, x, weight, bias, activation="silu", gen=gen)
+
+
+def test_backward_is_deterministic(cc, device, shapes, gen):
+    x = make_x(gen, shapes["main"], torch.bfloat16, device, True).requires_grad_()
+    weight = torch.randn(shapes["main"][1], 4, generator=gen).to(device).requires_grad_()
+    grads = []
+    for _ in range(2):
+        y = cc.causal_conv1d_fn(x, weight, activation="silu")
+        grads.append(torch.autograd.grad(y.float().square().sum(), (x, weight)))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# causal_conv1d_update
+
+
+UPDATE_CASES = [
+    # dtype, width, x_dims, seqlen, extra state slots, circular, indices, bias, activation
+    (torch.bfloat16, 4, 3, 1, 0, False, False, False, "silu"),  # the transformers decode call
+    (torch.bfloat16, 4, 2, 1, 0, False, True, True, "silu"),
+    (torch.float32, 4, 3, 3, 2, True, False, True, None),
+    (torch.float16, 3, 3, 5, -1, False, False, True, "swish"),  # state_len == W-1, L > state_len
+    (torch.float32, 2, 2, 1, 3, True, True, False, "silu"),
+    (torch.bfloat16, 3, 3, 9, 1, True, True, True, None),  # wraps around the circular buffer
+    (torch.float16, 2, 3, 2, 0, False, True, False, None),
+    (torch.float32, 3, 2, 1, -1, True, False, False, "silu"),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype, width, x_dims, seqlen, extra, circular, indices, has_bias, activation", UPDATE_CASES, ids=case_id
+)
+def test_update_matches_reference(
+    cc, device, update_shape, gen, dtype, width, x_dims, seqlen, extra, circular, indices, has_bias, activation
+):
+    batch, dim = update_shape
+    state_len = width + extra
+    n_cache = batch + 3 if indices else batch
+    x = torch.randn(batch, dim, seqlen, generator=gen).to(device, dtype)
+    if x_dims == 2:
+        assert seqlen == 1
+        x = x[..., 0]
+    state = torch.randn(n_cache, dim, state_len, generator=gen).to(device, dtype)
+    weight = torch.randn(dim, width, generator=gen).to(device, dtype)
+    bias = torch.randn(dim, generator=gen).to(device, dtype) if has_bias else None
+    cache_seqlens = torch.randint(0, 3 * state_len, (batch,), generator=gen, dtype=torch.int32).to(device)
+    cache_seqlens = cache_seqlens if circular else None
+    state_indices = None
+    if indices:
+        perm = torch.randperm(n_cache, generator=gen)[:batch].int()
+        perm[1] = -1  # a padding row
+        state_indices = perm.to(device)
+    state_ref = state.double()
+    before = state.clone()
+
+    y = cc.causal_conv1d_update(x, state, weight, bias, activation, cache_seqlens, state_indices)
+    y_ref = cc.causal_conv1d_update_ref(
+        x.double(),
+        state_ref,
+        weight.double(),
+        bias.double() if bias is not None else None,
+        activation,
+        cache_seqlens,
+        state_indices,
+    )
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert_close(y, y_ref, dtype, "y")
+    assert torch.equal(state, state_ref.to(dtype)), "conv_state"
+    if indices:
+        assert (y[1] == 0).all(), "a padding row outputs 0"
+        touched = set(state_indices[state_indices >= 0].tolist())
+        untouched = [r for r in range(n_cache) if r not in touched]
+        assert untouched and torch.equal(state[untouched], before[untouched]), "rows not selected must not change"
+
+
+def test_update_repeated_calls_reuse_the_plan(cc, device, update_shape, gen):
+    # The second and later calls take the cached launch path; each must still match the reference.
+    batch, dim = update_shape
+    weight = torch.randn(dim, 4, generator=gen).to(device, torch.bfloat16)
+    state = torch.randn(batch, dim, 4, generator=gen).to(device, torch.bfloat16)
+    state_ref = state.double()
+    for _ in range(3):
+        x = torch.randn(batch, dim, 1, generator=gen).to(device, torch.bfloat16)
+        y = cc.causal_conv1d_update(x, state, weight, None, "silu")
+        y_ref = cc.causal_conv1d_update_ref(x.double(), state_ref, weight.double(), None, "silu")
+        assert_close(y, y_ref, torch.bfloat16, "y")
+        assert torch.equal(state, state_ref.to(torch.bfloat16))
+
+
+def test_update_matches_fn_token_by_token(cc, device, gen):
+    # Decoding token by token from the prefill's final states continues the prefill's output exactly.
+    batch, dim, seqlen, width = 2, 24, 9, 4
+    x = torch.randn(batch, dim, seqlen, generator=gen).to(device)
+    weight = torch.randn(dim, width, generator=gen).to(device)
+    y_full = cc.causal_conv1d_fn(x, weight, activation="silu")
+    _, state = cc.causal_conv1d_fn(x[..., :4].contiguous(), weight, activation="silu", return_final_states=True)
+    state = state.contiguous()
+    for t in range(4, seqlen):
+        y = cc.causal_conv1d_update(x[..., t], state, weight, None, "silu")
+        torch.testing.assert_close(y, y_full[..., t], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# errors
+
+
+def _fn_args(device, dtype=torch.float32, batch=2, dim=8, seqlen=5, width=4):
+    x = torch.randn(batch, dim, seqlen, device=device, dtype=dtype)
+    return x, torch.randn(dim, width, device=device)
+
+
+FN_ERRORS = [
+    ("weight of shape", lambda cc, x, w: cc.causal_conv1d_fn(x, w[:5])),
+    ("2 <= W <= 4", lambda cc, x, w: cc.causal_conv1d_fn(x, torch.randn(8, 5, device=x.device))),
+    ("activation", lambda cc, x, w: cc.causal_conv1d_fn(x, w, activation="relu")),
+    ("seq_idx of shape", lambda cc, x, w: cc.causal_conv1d_fn(x, w, seq_idx=torch.zeros(2, 5, device=x.device))),
+    (
+        "seq_idx of shape",
+        lambda cc, x, w: cc.causal_conv1d_fn(x, w, seq_idx=torch.zeros(2, 4, dtype=torch.int32, device=x.device)),
+    ),
+    (
+        "return_final_states=False with seq_idx",
+        lambda cc, x, w: cc.causal_conv1d_fn(
+            x, w, seq_idx=torch.zeros(2, 5, dtype=torch.int32, device=x.device), return_final_states=True
+        ),
+    ),
+    (
+        "initial_states of shape",
+        lambda cc, x, w: cc.causal_conv1d_fn(x, w, initial_states=torch.zeros(2, 8, 4, device=x.device)),
+    ),
+    (
+        "initial_states of shape",
+        lambda cc, x, w: cc.causal_conv1d_fn(
+            x, w, initial_states=torch.zeros(2, 8, 3, device=x.device, dtype=torch.float16)
+        ),
+    ),
+    (
+        "final_states_out of shape",
+        lambda cc, x, w: cc.causal_conv1d_fn(
+            x, w, return_final_states=True, final_states_out=torch.zeros(2, 8, 4, device=x.device)
+        ),
+    ),
+    ("x of shape", lambda cc, x, w: cc.causal_conv1d_fn(x[0], w)),
+    ("x of dtype", lambda cc, x, w: cc.causal_conv1d_fn(x.double(), w)),
+    ("bias of shape", lambda cc, x, w: cc.causal_conv1d_fn(x, w, torch.zeros(7, device=x.device))),
+    ("weight on the device", lambda cc, x, w: cc.causal_conv1d_fn(x, w.to("meta"))),
+    ("L >= 1", lambda cc, x, w: cc.causal_conv1d_fn(x[..., :0], w)),
+]
+
+
+@pytest.mark.parametrize("match, call", FN_ERRORS, ids=[f"{i}-{m}" for i, (m, _) in enumerate(FN_ERRORS)])
+def test_fn_errors(cc, device, match, call):
+    x, w = _fn_args(device)
+    with pytest.raises(ValueError, match=match):
+        call(cc, x, w)
+
+
+def test_bad_activation_is_also_not_implemented_error(cc, device):
+    # causal-conv1d raises NotImplementedError; code written against it keeps working.
+    x, w = _fn_args(device)
+    with pytest.raises(NotImplementedError):
+        cc.causal_conv1d_fn(x, w, activation="gelu")
+    with pytest.raises(NotImplementedError):
+        cc.causal_conv1d_update(x[..., 0], torch.zeros(2, 8, 4, device=device), w, activation="gelu")
+
+
+UPDATE_ERRORS = [
+    ("weight of shape", lambda cc, x, s, w: cc.causal_conv1d_update(x, s, w[:3])),
+    ("conv_state of shape", lambda cc, x, s, w: cc.causal_conv1d_update(x, s[..., :2], w)),
+    ("conv_state with B = 2", lambda cc, x, s, w: cc.causal_conv1d_update(x, s[:1], w)),
+    ("conv_state of the dtype", lambda cc, x, s, w: cc.causal_conv1d_update(x, s.half(), w)),
+    (
+        "cache_seqlens of shape",
+        lambda cc, x, s, w: cc.causal_conv1d_update(
+            x, s, w, cache_seqlens=torch.zeros(2, dtype=torch.int64, device=x.device)
+        ),
+    ),
+    (
+        "conv_state_indices of shape",
+        lambda cc, x, s, w: cc.causal_conv1d_update(
+            x, s, w, conv_state_indices=torch.zeros(3, dtype=torch.int32, device=x.device)
+        ),
+    ),
+    ("x of shape", lambda cc, x, s, w: cc.causal_conv1d_update(x[0], s, w)),
+    ("bias of shape", lambda cc, x, s, w: cc.causal_conv1d_update(x, s, w, torch.zeros(3, device=x.device))),
+    ("conv_state on the device", lambda cc, x, s, w: cc.causal_conv1d_update(x, s.to("meta"), w)),
+    ("unit stride", lambda cc, x, s, w: cc.causal_conv1d_update(x, s, w, torch.zeros(16, device=x.device)[::2])),
+]
+
+
+@pytest.mark.parametrize("match, call", UPDATE_ERRORS, ids=[f"{i}-{m}" for i, (m, _) in enumerate(UPDATE_ERRORS)])
+def test_update_errors(cc, device, match, call):
+    x = torch.randn(2, 8, device=device)
+    state = torch.randn(2, 8, 4, device=device)
+    weight = torch.randn(8, 4, device=device)
+    with pytest.raises(ValueError, match=match):
+        call(cc, x, state, weight)
+
+
+def test_cpu_tensors_without_interpreter_raise(cc, monkeypatch):
+    # Without CUDA and without TRITON_INTERPRET the kernels cannot run: a clear RuntimeError, and
+    # triton_available_for says so first (the fast-path dispatcher falls back to the reference then).
+    monkeypatch.setattr(cc.function, "INTERPRET", False)
+    monkeypatch.setattr(cc.update, "INTERPRET", False)
+    monkeypatch.setattr(cc, "INTERPRET", False)
+    monkeypatch.setattr(cc.update, "_plans", {})
+    x, w = _fn_args("cpu")
+    assert not cc.triton_available_for(x)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        cc.causal_conv1d_fn(x, w)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        cc.causal_conv1d_update(x[..., 0], torch.zeros(2, 8, 4), w)
+
+
+def test_triton_available_for(cc, device):
+    assert cc.triton_available_for(torch.zeros(1, device=device))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_update_under_cuda_graph(cc, gen):
+    # The cached launch path takes the current stream at each call, so it can be captured and replayed.
+    batch, dim = 64, 10240
+    weight = torch.randn(dim, 4, generator=gen).cuda().bfloat16()
+    state = torch.randn(batch, dim, 4, generator=gen).cuda().bfloat16()
+    x = torch.randn(batch, dim, 1, generator=gen).cuda().bfloat16()
+    cc.causal_conv1d_update(x, state.clone(), weight, None, "silu")  # compile + plan outside the capture
+    state_ref = state.double()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        y = cc.causal_conv1d_update(x, state, weight, None, "silu")
+    for _ in range(2):
+        graph.replay()
+        y_ref = cc.causal_conv1d_update_ref(x.double(), state_ref, weight.double(), None, "silu")
+        torch.cuda.synchronize()
+        assert_close(y, y_ref, torch.bfloat16, "y")
+        assert torch.equal(state, state_ref.bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_transformers_prefill_layout(cc, gen):
+    # Exactly what a Qwen3.5 GDN layer passes: channel-last bf16 view of (B, L, conv_dim), W=4, no bias, silu.
+    mixed = torch.randn(2, 4096, 10240, generator=gen).cuda().bfloat16()
+    weight = torch.randn(10240, 4, generator=gen).cuda().bfloat16()
+    x = mixed.transpose(1, 2)
+    y = cc.causal_conv1d_fn(x, weight, None, activation="silu")
+    assert y.stride() == x.stride()
+    assert_close(y, cc.causal_conv1d_ref(x.double(), weight.double(), activation="silu"), torch.bfloat16, "y")
