@@ -1,0 +1,149 @@
+"""Speculative decoding on a GPU-sized random hybrid target: `flashdraft eval` end to end + the rollback cost.
+
+1. Builds a Qwen3.5-0.8B-shaped random bf16 target (24 layers, 18 linear-attention, vocab 248320) with a small
+   byte-level BPE tokenizer trained on the Python standard library, and a random 5-layer DFlash drafter; saves both.
+2. Runs `flashdraft eval` on code prefixes (greedy, block 16): tau, speedups, JSON and PNG.
+3. Times, on a Qwen3.5-27B-shaped target (first 16 layers, random bf16) at context 1024: one decode step,
+   a 16-token verify forward, and the exact rollback (snapshot + restore of conv/recurrent states and the KV crop)
+   that flashdraft.spec does per round. Scaled to 64 layers in the printout (x4).
+Run: python bench/spec_gpu.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def build_tokenizer(out: Path, vocab_size: int = 4000):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(stdlib.glob("*.py"))[:60]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train([str(f) for f in files], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(out)
+    prompts = []
+    for f in sorted(stdlib.glob("*.py"))[60:76]:
+        text = f.read_text(errors="replace")
+        prompts.append({"prompt": text[:600], "category": "stdlib-code"})
+    return fast, prompts
+
+
+def eval_run(out: Path, max_new_tokens: int) -> dict:
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from flashdraft.drafter import DFlashDraftModel
+
+    tdir, ddir = out / "target", out / "drafter"
+    tokenizer, prompts = build_tokenizer(tdir)
+    cfg = Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        target = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    target.save_pretrained(tdir)
+    drafter = DFlashDraftModel.from_target(cfg, num_layers=5, block_size=16, tokenizer=tokenizer)
+    drafter.to(torch.bfloat16).save_pretrained(ddir)
+    del target
+    with open(out / "prompts.jsonl", "w") as fh:
+        for p in prompts:
+            fh.write(json.dumps(p) + "\n")
+    cmd = [sys.executable, "-m", "flashdraft", "eval", "--target", str(tdir), "--drafter", str(ddir),
+           "--prompts", str(out / "prompts.jsonl"), "--limit", "8", "--max-new-tokens", str(max_new_tokens), "--ignore-eos",
+           "--json", str(out / "eval.json"), "--plot", str(out / "eval.png"), "--no-progress"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    print(proc.stdout[-6000:], proc.stderr[-3000:], sep="\n")
+    return json.loads((out / "eval.json").read_text()) if proc.returncode == 0 else {"error": proc.returncode}
+
+
+def rollback_cost(context: int = 1024, layers: int = 16) -> dict:
+    from bench.target_forward import qwen35_27b_config
+    from flashdraft import fastpath
+    from flashdraft.spec import state
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = mq.Qwen3_5ForCausalLM(qwen35_27b_config(layers)).to(torch.bfloat16).eval()
+    fastpath.enable(model, strict=True)
+    ids = torch.randint(0, 248320, (1, context), device="cuda")
+    ev = lambda: torch.cuda.Event(enable_timing=True)
+    res = {}
+    with torch.no_grad():
+        cache = state.new_cache(model)
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        snap = state.take_snapshot(cache)
+        block = torch.randint(0, 248320, (1, 16), device="cuda")
+        one = block[:, :1]
+
+        def timed(fn, n=20):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(n):
+                s, e = ev(), ev()
+                s.record()
+                fn()
+                e.record()
+                torch.cuda.synchronize()
+                times.append(s.elapsed_time(e))
+            return sorted(times)[len(times) // 2]
+
+        def verify():
+            model(input_ids=block, past_key_values=cache, use_cache=True)
+            state.restore(cache, snap)
+
+        def decode():
+            model(input_ids=one, past_key_values=cache, use_cache=True)
+            state.restore(cache, snap)
+
+        res["snapshot_ms"] = timed(lambda: state.take_snapshot(cache, reuse=snap))
+        res["restore_ms"] = timed(lambda: state.restore(cache, snap))
+        res["verify16_plus_restore_ms"] = timed(verify)
+        res["decode1_plus_restore_ms"] = timed(decode)
+        res["snapshot_bytes"] = sum(t.numel() * t.element_size() for d in (snap.conv, snap.recurrent)
+                                    for t in d.values())  # fmt: skip
+    res.update(context=context, layers=layers)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/spec_gpu")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"rollback": rollback_cost()}
+    print(result, flush=True)
+    result["eval"] = eval_run(out, a.max_new_tokens)
+    (out / "spec_gpu.json").write_text(json.dumps(result, indent=1, default=str))
+    r = result["rollback"]
+    print(f"rollback (27B-shaped, {r['layers']} layers, ctx {r['context']}): snapshot {r['snapshot_ms']:.3f} ms, "
+          f"restore {r['restore_ms']:.3f} ms; verify16 {r['verify16_plus_restore_ms']:.2f} ms, "
+          f"decode1 {r['decode1_plus_restore_ms']:.2f} ms (x4 for 64 layers)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

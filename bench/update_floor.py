@@ -1,0 +1,78 @@
+"""P2 in context: what one `causal_conv1d_update` call costs, and the floor of the method that times it.
+
+CUDA events around a single call include the host's launch path (Python, the driver); an empty Triton kernel timed
+the same way is the floor any Triton (or CUDA-extension) implementation pays. Inside a captured CUDA graph (how a
+decode step should run, issue 10) only the GPU time remains: we time the update replayed from a graph too.
+Run: python bench/update_floor.py [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@triton.jit
+def _empty_kernel(x):
+    pass
+
+
+def _events_us(fn, iters=200, warmup=20):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    from flashdraft.kernels import causal_conv1d_update
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    B, D, W = 64, 10240, 4
+    x = torch.randn(B, D, 1, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(D, W, device="cuda", dtype=torch.bfloat16)
+    state = torch.randn(B, D, W, device="cuda", dtype=torch.bfloat16)
+    dummy = torch.empty(1, device="cuda")
+    rows = {
+        "empty_triton_kernel_events_us": _events_us(lambda: _empty_kernel[(1,)](dummy)),
+        "empty_torch_op_events_us": _events_us(lambda: dummy.add_(0)),
+        "update_events_us": _events_us(lambda: causal_conv1d_update(x, state, w, None, "silu")),
+    }
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            causal_conv1d_update(x, state, w, None, "silu")
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        for _ in range(100):
+            causal_conv1d_update(x, state, w, None, "silu")
+    rows["update_in_cuda_graph_us_per_call"] = _events_us(graph.replay, iters=50, warmup=5) / 100
+    for k, v in rows.items():
+        print(f"{k:36s} {v:8.2f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

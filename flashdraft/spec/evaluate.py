@@ -1,0 +1,439 @@
+"""`flashdraft eval`: a DFlash drafter against autoregressive and prompt-lookup decoding, prompt by prompt.
+
+    flashdraft eval --target Qwen/Qwen3-8B --drafter z-lab/Qwen3-8B-DFlash-b16 --prompts prompts.jsonl \\
+        --max-new-tokens 512 --json eval.json --plot eval.png
+
+Prompts file: JSON lines, each `{"messages": [{"role": ..., "content": ...}, ...]}` (rendered with the tokenizer's
+chat template, generation prompt added) or `{"prompt": "raw text"}`, with an optional `"category"`.
+All three methods decode every prompt with the same settings in the same loop (`flashdraft.spec.generate`).
+Reported: tau (mean tokens per verification round = mean acceptance length, bonus token included), its p95,
+per-position acceptance rates, tokens/s, and speedups — overall and per category. At temperature 0 the DFlash
+output is also compared with autoregressive decoding (`greedy_mismatches`: expected 0 in float32; bf16 kernels
+can flip near-ties, because a verification and a one-token step round differently).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from flashdraft.spec.baselines import autoregressive_generate, prompt_lookup_generate
+from flashdraft.spec.generate import GenerationResult, generate
+
+METHODS = ("dflash", "autoregressive", "prompt_lookup")
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+@dataclass
+class Prompt:
+    input_ids: torch.Tensor
+    category: str
+    line: int
+
+
+def load_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[Prompt]:
+    """Read and tokenize a prompts JSONL file; a malformed line raises ValueError naming `path:line`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file {path} does not exist")
+    prompts: list[Prompt] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if limit is not None and len(prompts) >= limit:
+                break
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            prompts.append(Prompt(_tokenize(record, tokenizer, where), _category(record, where), lineno))
+    if not prompts:
+        raise ValueError(f"{path}: no prompts (expected JSON lines with 'messages' or 'prompt')")
+    return prompts
+
+
+def _category(record: dict, where: str) -> str:
+    category = record.get("category", "all")
+    if not isinstance(category, str) or not category:
+        raise ValueError(f"{where}: 'category' must be a non-empty string, got {category!r}")
+    return category
+
+
+def _tokenize(record, tokenizer, where: str) -> torch.Tensor:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not (
+            isinstance(messages, list)
+            and messages
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages)
+        ):
+            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role': str, 'content': ...}}")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"{where}: 'messages' needs a chat template, and the target's tokenizer has none")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    elif "prompt" in record:
+        if not isinstance(record["prompt"], str):
+            raise ValueError(f"{where}: 'prompt' must be a string, got {type(record['prompt']).__name__}")
+        ids = tokenizer(record["prompt"])["input_ids"]
+    else:
+        raise ValueError(f"{where}: expected a 'messages' or a 'prompt' field, got keys {sorted(record)}")
+    if not ids:
+        raise ValueError(f"{where}: the prompt tokenizes to nothing")
+    return torch.tensor([ids], dtype=torch.long)
+
+
+@dataclass
+class Tally:
+    """Sums of the statistics of many generations of one method."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
+    position_offered: list[int] = field(default_factory=list)
+
+    def add(self, result: GenerationResult) -> None:
+        self.tokens += len(result.tokens)
+        self.seconds += result.total_time
+        self.acceptance_lengths += result.acceptance_lengths
+        for name in ("position_accepted", "position_offered"):
+            mine, theirs = getattr(self, name), getattr(result, name)
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, value in enumerate(theirs):
+                mine[i] += value
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else math.nan
+
+    @property
+    def tau(self) -> float:
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else math.nan
+
+    @property
+    def p95(self) -> float:
+        if not self.acceptance_lengths:
+            return math.nan
+        return float(torch.quantile(torch.tensor(self.acceptance_lengths, dtype=torch.float64), 0.95))
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else math.nan
+
+
+def _summary(tallies: dict[str, Tally], num_prompts: int) -> dict:
+    dflash, ar, lookup = (tallies[m] for m in METHODS)
+    return {
+        "num_prompts": num_prompts,
+        "tau": dflash.tau,
+        "acceptance_length_mean": dflash.tau,
+        "acceptance_length_p95": dflash.p95,
+        "speedup": _ratio(dflash.tokens_per_second, ar.tokens_per_second),
+        "speedup_vs_prompt_lookup": _ratio(dflash.tokens_per_second, lookup.tokens_per_second),
+        "prompt_lookup_tau": lookup.tau,
+        "prompt_lookup_speedup": _ratio(lookup.tokens_per_second, ar.tokens_per_second),
+        "tokens_per_second": {m: tallies[m].tokens_per_second for m in METHODS},
+        "tokens": {m: tallies[m].tokens for m in METHODS},
+    }
+
+
+def evaluate(
+    target: torch.nn.Module,
+    drafter: torch.nn.Module,
+    prompts: list[Prompt],
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    block_size: int | None = None,
+    stop_token_ids: list[int] | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Decode every prompt with DFlash, autoregressive and prompt-lookup decoding; return the report dict."""
+    if not prompts:
+        raise ValueError("evaluate needs at least one prompt")
+    block_size = int(drafter.block_size if block_size is None else block_size)
+    device = next(target.parameters()).device
+
+    def decode(method: str, prompt: Prompt, max_new: int, seed: int) -> GenerationResult:
+        gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+        common = dict(temperature=temperature, stop_token_ids=stop_token_ids, generator=gen)
+        if method == "dflash":
+            return generate(target, drafter, prompt.input_ids, max_new, block_size=block_size, **common)
+        if method == "autoregressive":
+            return autoregressive_generate(target, prompt.input_ids, max_new, **common)
+        return prompt_lookup_generate(target, prompt.input_ids, max_new, block_size=block_size, **common)
+
+    # Warm-up (allocator, lazy imports, autotuned kernels) so that the first timed prompt is not penalised. A few
+    # blocks' worth of tokens also reaches some of the wider verifications that deferred tokens make.
+    for method in METHODS:
+        decode(method, prompts[0], min(4 * block_size, max_new_tokens), seed)
+
+    overall = {m: Tally() for m in METHODS}
+    per_category: dict[str, dict[str, Tally]] = {}
+    counts: dict[str, int] = {}
+    mismatches = 0
+    with _ProgressBar(progress, len(prompts) * len(METHODS)) as bar:
+        for i, prompt in enumerate(prompts):
+            outputs = {}
+            for method in METHODS:
+                bar.describe(f"prompt {i + 1}/{len(prompts)} ({prompt.category}): {method}")
+                result = decode(method, prompt, max_new_tokens, seed + i)
+                bar.advance()
+                outputs[method] = result.tokens
+                overall[method].add(result)
+                per_category.setdefault(prompt.category, {m: Tally() for m in METHODS})[method].add(result)
+            counts[prompt.category] = counts.get(prompt.category, 0) + 1
+            if temperature <= 0 and outputs["dflash"] != outputs["autoregressive"]:
+                mismatches += 1
+
+    dflash = overall["dflash"]
+    report = {
+        **_summary(overall, len(prompts)),
+        "per_position_acceptance": [
+            a / o if o else math.nan for a, o in zip(dflash.position_accepted, dflash.position_offered, strict=True)
+        ],
+        "acceptance_length_histogram": {
+            str(length): dflash.acceptance_lengths.count(length) for length in range(1, block_size + 1)
+        },
+        "greedy_mismatches": mismatches if temperature <= 0 else None,
+        "block_size": block_size,
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "per_category": {c: _summary(t, counts[c]) for c, t in sorted(per_category.items())},
+    }
+    return report
+
+
+class _ProgressBar:
+    """A rich progress bar on stderr, or nothing when disabled."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.bar = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            self.bar = Progress(*columns, console=Console(stderr=True), transient=True)
+            self.task = self.bar.add_task("decoding", total=total)
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+        return False
+
+    def describe(self, description: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=description)
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.advance(self.task)
+
+
+def _fmt(value: float, digits: int = 2, suffix: str = "") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}{suffix}"
+
+
+def print_report(report: dict, console=None) -> None:
+    """The table, overall and per category (PL: prompt lookup; x AR, x PL: DFlash speedup over them)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=f"DFlash, block {report['block_size']}, temperature {report['temperature']}")
+    columns = ("set", "n", "tau", "p95", "DFlash tok/s", "AR tok/s", "PL tok/s", "PL tau", "x AR", "x PL")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "set" else "right", no_wrap=column == "set")
+    rows = [("overall", report)] + list(report["per_category"].items())
+    for name, s in rows:
+        tps = s["tokens_per_second"]
+        table.add_row(
+            name,
+            str(s["num_prompts"]),
+            _fmt(s["tau"]),
+            _fmt(s["acceptance_length_p95"], 1),
+            _fmt(tps["dflash"], 1),
+            _fmt(tps["autoregressive"], 1),
+            _fmt(tps["prompt_lookup"], 1),
+            _fmt(s["prompt_lookup_tau"]),
+            _fmt(s["speedup"], 2, "x"),
+            _fmt(s["speedup_vs_prompt_lookup"], 2, "x"),
+        )
+    console.print(table)
+    rates = " ".join(_fmt(r, 2) for r in report["per_position_acceptance"])
+    console.print(f"per-position acceptance (draft 1..{report['block_size'] - 1}): {rates}")
+    if report["greedy_mismatches"]:
+        console.print(
+            f"[yellow]warning: {report['greedy_mismatches']} prompt(s) decoded differently by DFlash and "
+            "autoregressive greedy decoding (expected only from low-precision near-ties)[/yellow]"
+        )
+
+
+def _require_matplotlib():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'flashdraft[plot]' (or matplotlib)") from None
+    return plt
+
+
+def write_plot(report: dict, path: str | Path) -> None:
+    """A PNG with the acceptance-length histogram and the per-position acceptance rate."""
+    plt = _require_matplotlib()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    hist = report["acceptance_length_histogram"]
+    left.bar([int(k) for k in hist], list(hist.values()), color="tab:blue")
+    left.set(
+        xlabel="tokens per verification (acceptance length)",
+        ylabel="rounds",
+        title=f"acceptance length, tau = {_fmt(report['tau'])}",
+    )
+    rates = report["per_position_acceptance"]
+    right.plot(range(1, len(rates) + 1), rates, marker="o", color="tab:orange")
+    right.set(
+        xlabel="draft position in block", ylabel="acceptance rate", ylim=(0, 1.05), title="per-position acceptance"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _json_safe(value):
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------------------
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("eval", help="speculative decoding with a DFlash drafter: tau, acceptance, speedup")
+    p.add_argument("--target", help="target model (HF id or directory)")
+    p.add_argument("--drafter", help="DFlash drafter checkpoint (HF id or directory)")
+    p.add_argument("--prompts", help="JSONL of {'messages': [...]} or {'prompt': str}, optional 'category'")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--block-size", type=int, default=None, help="drafted block incl. anchor (default: drafter's)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    p.add_argument("--json", dest="json_out", default=None, help="write the report as JSON here")
+    p.add_argument("--plot", default=None, help="write a PNG of the acceptance statistics here (needs matplotlib)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="auto: bfloat16 on CUDA, float32 on CPU",
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--ignore-eos", action="store_true", help="always decode --max-new-tokens tokens")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def _device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available (use --device cpu)")
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return torch.device(device), getattr(torch, dtype)
+
+
+def _stop_token_ids(target, tokenizer) -> list[int]:
+    ids = set()
+    for value in (getattr(target.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def run(args) -> int:
+    if not args.target or not args.drafter:
+        print(
+            "flashdraft eval: give --target and --drafter (model ids or directories). There is no embedded default "
+            "target + drafter yet.",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    if not args.prompts:
+        print("flashdraft eval: give --prompts FILE.jsonl", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    if args.plot:
+        _require_matplotlib()  # fail before the long part
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flashdraft import fastpath
+    from flashdraft.drafter import DFlashDraftModel
+    from flashdraft.fastpath.patch import linear_attention_layers
+
+    device, dtype = _device_and_dtype(args.device, args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=False)
+    prompts = load_prompts(args.prompts, tokenizer, args.limit)
+    target = AutoModelForCausalLM.from_pretrained(args.target, trust_remote_code=False, dtype=dtype)
+    target = target.to(device).eval()
+    if linear_attention_layers(target):
+        try:
+            fastpath.enable(target, strict=device.type == "cuda")
+        except fastpath.FastPathError as exc:
+            print(
+                f"flashdraft eval: the fast path is incomplete, timings would be meaningless:\n{exc}", file=sys.stderr
+            )
+            return EXIT_CHECK_FAILED
+    drafter = DFlashDraftModel.from_pretrained(args.drafter, dtype=dtype).to(device).eval()
+    stops = [] if args.ignore_eos else _stop_token_ids(target, tokenizer)
+
+    report = evaluate(
+        target,
+        drafter,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        block_size=args.block_size,
+        stop_token_ids=stops,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    report.update(
+        target=str(args.target),
+        drafter=str(args.drafter),
+        prompts=str(args.prompts),
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    print_report(report)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(_json_safe(report), indent=2) + "\n")
+    if args.plot:
+        write_plot(report, args.plot)
+    return EXIT_OK

@@ -1,0 +1,314 @@
+"""Lossless speculative decoding with a DFlash drafter, batch 1.
+
+    from flashdraft.spec import generate
+    result = generate(target, drafter, input_ids, max_new_tokens=256)          # greedy: the target's own output
+    result = generate(target, drafter, input_ids, 256, temperature=0.7)        # sampled: the target's distribution
+    print(result.tau, result.tokens_per_second)
+
+One round: the block `[last token, MASK x (bs - 1)]` goes through the drafter once; the target verifies the
+drafts in one forward; the longest acceptable prefix plus one target token are emitted. The target's cache is
+rolled back exactly (`flashdraft.spec.state`): a plain attention cache is cropped to the accepted prefix; a
+hybrid (Gated DeltaNet) cache is restored to its pre-verification snapshot and the accepted tokens are fed again
+at the front of the *next* verification — its states then advance over exactly the accepted tokens, inside a
+forward that happens anyway. The drafter's context features of those tokens come from the verification itself
+(the target is causal, so they are already exact).
+
+Deferred tokens accumulate while rounds keep ending in a rejection (each restore goes back to before all of
+them), so a verification is `deferred + bs` tokens wide. On a GPU that is nearly free while the forward stays
+memory-bound (up to ~150 tokens for a 27B target on an H200); past `max_deferred` (default 4 x bs) one forward
+of their own commits them.
+
+Invariants of the loop (n = number of tokens so far, prompt included):
+- the target's cache holds tokens [0, committed); tokens [committed, n) are fed by the next verification;
+- the drafter has context features of tokens [0, n - 1): every token but the last has been through the target.
+
+The same loop runs the baselines (`flashdraft.spec.baselines`): autoregressive decoding proposes nothing,
+prompt lookup proposes n-gram continuations.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache
+
+from flashdraft.drafter import select_context_features
+from flashdraft.spec import state
+from flashdraft.spec.sampling import next_token, rejection_sample, sample, sampling_probs, validate_sampling
+
+
+@dataclass
+class GenerationResult:
+    """New tokens and the statistics of one decoding run."""
+
+    tokens: list[int]
+    # Per verification round: tokens emitted (accepted drafts + the target's own token; cut at a stop token).
+    acceptance_lengths: list[int] = field(default_factory=list)
+    # position_accepted[i]: rounds in which draft i + 1 of the block was accepted; position_offered[i]: rounds
+    # in which it was drafted and verified (the last rounds may offer fewer than bs - 1 drafts).
+    position_accepted: list[int] = field(default_factory=list)
+    position_offered: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    # Target forwards: prefill + one per round + the rare commit of a long deferred run (see `max_deferred`).
+    num_target_forwards: int = 0
+    time_to_first_token: float = 0.0
+    total_time: float = 0.0
+    stopped: bool = False
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per verification round (NaN when no round ran)."""
+        return sum(self.acceptance_lengths) / self.num_rounds if self.num_rounds else float("nan")
+
+    @property
+    def time_per_output_token(self) -> float:
+        """Decode time (after the first token) per further token; 0.0 with fewer than two tokens."""
+        if len(self.tokens) < 2:
+            return 0.0
+        return (self.total_time - self.time_to_first_token) / (len(self.tokens) - 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.total_time if self.total_time > 0 else 0.0
+
+    @property
+    def position_acceptance_rate(self) -> list[float]:
+        return [
+            a / o if o else float("nan") for a, o in zip(self.position_accepted, self.position_offered, strict=True)
+        ]
+
+
+class Proposer(Protocol):
+    """Proposes draft tokens; the decoding loop verifies them."""
+
+    # Target layers whose hidden states the proposer consumes (`observe`); None: it needs none.
+    feature_layers: list[int] | None
+
+    def observe(self, features: torch.Tensor) -> None:
+        """Context features `(1, t, n * D)` of the next t tokens that went through the target."""
+
+    def propose(self, tokens: torch.Tensor, num_drafts: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Up to `num_drafts` tokens to follow `tokens` (1-D, all tokens so far) and the distributions they were
+        drawn from (`(k, V)`), or None if proposed deterministically."""
+
+
+class DFlashProposer:
+    """Drafts a block with a DFlash drafter, keeping the drafter's own cache of context keys and values."""
+
+    def __init__(
+        self,
+        drafter: torch.nn.Module,
+        target: torch.nn.Module,
+        block_size: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        generator: torch.Generator | None = None,
+    ):
+        self.drafter, self.block_size = drafter, block_size
+        self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.sampling = (temperature, top_p, top_k)
+        self.generator = generator
+        self.feature_layers = list(drafter.target_layer_ids)
+        self.mask_token_id = int(drafter.mask_token_id)
+        self.dtype = next(drafter.parameters()).dtype
+        # Context K/V are per-position projections of features, so a cache of them is exact; only the block's
+        # K/V (appended by each draft) are cropped away again.
+        self.cache = DynamicCache()
+        self.cached = 0
+        self.new_features: list[torch.Tensor] = []
+
+    def observe(self, features: torch.Tensor) -> None:
+        self.new_features.append(features.to(self.dtype))
+
+    def propose(self, tokens: torch.Tensor, num_drafts: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        context = torch.cat(self.new_features, dim=1)
+        self.new_features.clear()
+        anchor = tokens.shape[0] - 1
+        if self.cached + context.shape[1] != anchor:
+            raise RuntimeError(f"drafter context covers {self.cached + context.shape[1]} tokens, expected {anchor}")
+        # Always draft the full trained block, even when fewer drafts are wanted near max_new_tokens.
+        block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=tokens.device)
+        block[0, 0] = tokens[-1]
+        positions = torch.arange(self.cached, anchor + self.block_size, device=tokens.device)[None]
+        hidden = self.drafter(
+            position_ids=positions,
+            noise_embedding=self.embed(block).to(self.dtype),
+            target_hidden=context,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        state.crop_kv(self.cache, anchor)
+        self.cached = anchor
+        logits = self.drafter.compute_logits(hidden[0, 1 : 1 + num_drafts], self.lm_head)
+        temperature, top_p, top_k = self.sampling
+        if temperature <= 0:
+            return logits.argmax(dim=-1), None
+        probs = sampling_probs(logits, temperature, top_p, top_k)
+        return sample(probs, self.generator), probs
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _features(output, layers: list[int], start: int, stop: int) -> torch.Tensor:
+    """Context features of the fed tokens [start, stop) of a target forward."""
+    return select_context_features([h[:, start:stop] for h in output.hidden_states], layers)
+
+
+@torch.inference_mode()
+def speculative_decode(
+    target: torch.nn.Module,
+    input_ids: torch.Tensor,
+    proposer: Proposer | None,
+    max_new_tokens: int,
+    num_drafts: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_token_ids: list[int] | None = None,
+    generator: torch.Generator | None = None,
+    max_deferred: int | None = None,
+) -> GenerationResult:
+    """The verification loop shared by DFlash, prompt lookup (`proposer`) and autoregressive decoding (None).
+
+    num_drafts: most drafts per round (bs - 1). max_deferred: most accepted tokens a hybrid cache may leave to
+    the next verification (default 4 x (num_drafts + 1)); beyond it they are committed by a forward of their
+    own, so a long run of partial acceptances cannot make verifications ever wider.
+    """
+    validate_sampling(temperature, top_p, top_k)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding runs batch 1; got input_ids of shape {tuple(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise ValueError("input_ids is empty: the prompt needs at least one token")
+    device = next(target.parameters()).device
+    prompt = input_ids.reshape(-1).to(device)
+    result = GenerationResult(tokens=[], num_prompt_tokens=prompt.shape[0])
+    if max_new_tokens == 0:
+        return result
+    max_deferred = 4 * (num_drafts + 1) if max_deferred is None else max_deferred
+    stops = set(stop_token_ids or ())
+    layers = proposer.feature_layers if proposer is not None else None
+    result.position_accepted, result.position_offered = [0] * num_drafts, [0] * num_drafts
+
+    def forward(ids: torch.Tensor, keep_logits: int, features: bool = True):
+        result.num_target_forwards += 1
+        return target(
+            input_ids=ids[None],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=keep_logits,
+            output_hidden_states=features and layers is not None,
+        )
+
+    start = _now(device)
+    cache = state.new_cache(target)
+    out = forward(prompt, 1)
+    # A buffer for prompt + output; `n` tokens of it are valid.
+    seq = torch.empty(prompt.shape[0] + max_new_tokens, dtype=torch.long, device=device)
+    seq[: prompt.shape[0]] = prompt
+    first = int(next_token(out.logits[0, -1], temperature, top_p, top_k, generator))
+    seq[prompt.shape[0]] = first
+    n, committed = prompt.shape[0] + 1, prompt.shape[0]
+    result.tokens.append(first)
+    if layers is not None:
+        proposer.observe(_features(out, layers, 0, prompt.shape[0]))
+    result.time_to_first_token = _now(device) - start
+    result.stopped = first in stops
+    snapshot = None
+
+    while len(result.tokens) < max_new_tokens and not result.stopped:
+        want = min(num_drafts, max_new_tokens - len(result.tokens) - 1)
+        drafts, draft_probs = (None, None)
+        if proposer is not None and want > 0:
+            drafts, draft_probs = proposer.propose(seq[:n], want)
+        k = 0 if drafts is None else drafts.shape[0]
+        fed = seq[committed:n] if k == 0 else torch.cat([seq[committed:n], drafts.to(device)])
+        deferred = n - 1 - committed
+        if k > 0:
+            snapshot = state.take_snapshot(cache, reuse=snapshot)
+        out = forward(fed, k + 1)
+        logits = out.logits[0]
+        draft_list = [] if k == 0 else drafts.tolist()
+        if temperature <= 0:
+            choice = logits.argmax(dim=-1).tolist()  # the one host sync of a greedy round
+            accepted = next((i for i in range(k) if draft_list[i] != choice[i]), k)
+            bonus = choice[accepted]
+        else:
+            target_probs = sampling_probs(logits, temperature, top_p, top_k)
+            accepted, bonus = rejection_sample(drafts if k else seq[:0], draft_probs, target_probs, generator)
+        for i in range(k):
+            result.position_offered[i] += 1
+            result.position_accepted[i] += i < accepted
+        if layers is not None:
+            proposer.observe(_features(out, layers, deferred, deferred + accepted + 1))
+        if k > 0:
+            committed += state.rollback(cache, snapshot, keep=deferred + 1 + accepted, appended=fed.shape[0])
+        else:
+            committed = n
+
+        new = draft_list[:accepted] + [bonus]
+        for j, token in enumerate(new):
+            if token in stops:
+                new, result.stopped = new[: j + 1], True
+                break
+        seq[n : n + len(new)] = torch.tensor(new, dtype=torch.long, device=device)
+        n += len(new)
+        result.tokens.extend(new)
+        result.acceptance_lengths.append(len(new))
+
+        if n - 1 - committed > max_deferred and not result.stopped and len(result.tokens) < max_new_tokens:
+            forward(seq[committed : n - 1], 1, features=False)
+            committed = n - 1
+    result.total_time = _now(device) - start
+    return result
+
+
+def generate(
+    target: torch.nn.Module,
+    drafter: torch.nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    block_size: int | None = None,
+    stop_token_ids: list[int] | None = None,
+    generator: torch.Generator | None = None,
+    max_deferred: int | None = None,
+) -> GenerationResult:
+    """Decode up to `max_new_tokens` after `input_ids` (batch 1) with DFlash speculative decoding.
+
+    Greedy (temperature 0) output equals the target's own greedy decoding token for token; with sampling, the
+    output is distributed exactly as the target's sampling with the same temperature / top-p / top-k.
+    block_size: drafted block incl. the anchor (default: the drafter's); stop_token_ids: stop after emitting one.
+    """
+    block_size = int(drafter.block_size if block_size is None else block_size)
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    proposer = DFlashProposer(drafter, target, block_size, temperature, top_p, top_k, generator)
+    return speculative_decode(
+        target,
+        input_ids,
+        proposer if block_size > 1 else None,
+        max_new_tokens,
+        num_drafts=block_size - 1,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop_token_ids=stop_token_ids,
+        generator=generator,
+        max_deferred=max_deferred,
+    )

@@ -1,0 +1,335 @@
+"""The frozen target: load it, keep only the layers the drafter reads, and capture their hidden states.
+
+    target = load_target("Qwen/Qwen3.5-27B")                      # bf16 on the GPU, fast path proven
+    features = target.capture(input_ids, attention_mask)          # (B, T, n * D), layer i = hidden_states[i + 1]
+    block = target.embed(block_ids)                               # the target's frozen input embedding
+    drafter = DFlashDraftModel.from_target(target.config, target_layer_ids=target.target_layer_ids)
+
+Training needs the target only up to its last captured layer (DESIGN.md, cost model): the decoder layer list is
+truncated after `max(target_layer_ids)` (at load time, so the dropped layers are never read from disk), the final
+norm is replaced by an identity and the LM head is never called — only its weight is kept, for the drafter's loss.
+Features are captured by forward hooks on the decoder layers, written straight into one preallocated buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from flashdraft import fastpath
+from flashdraft.drafter.config import build_target_layer_ids, target_text_config
+from flashdraft.fastpath.probe import FastPathReport
+
+logger = logging.getLogger(__name__)
+
+_PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "model.ckpt")
+_FALSE = ("0", "false", "no", "off")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class FrozenTarget:
+    """A frozen causal LM truncated after its last captured layer; see the module docstring.
+
+    Attributes:
+        model: the (truncated) transformers causal LM, eval mode, no parameter requires grad.
+        config: the *full* text config of the target (all layers), what a drafter is built from.
+        target_layer_ids: the layers whose outputs `capture` concatenates, in this order.
+        fastpath_report: what `fastpath.enable` proved for each linear-attention layer (empty for plain targets).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        target_layer_ids: Sequence[int],
+        *,
+        config=None,
+        strict: bool | None = None,
+    ) -> None:
+        text_config = target_text_config(model.config)
+        self.config = copy.deepcopy(config if config is not None else text_config)
+        self.num_target_layers = int(self.config.num_hidden_layers)
+        self.target_layer_ids = _validate_layer_ids(target_layer_ids, self.num_target_layers)
+        self.hidden_size = int(self.config.hidden_size)
+        self.name_or_path: str | None = getattr(self.config, "_name_or_path", None) or None
+
+        self.model = model.eval().requires_grad_(False)
+        self.decoder = model.get_decoder()
+        last = max(self.target_layer_ids)
+        _truncate(self.decoder, text_config, last + 1)
+        # hidden_states[L] of transformers is the final-normed output: to honour "layer i = hidden_states[i + 1]"
+        # for the last layer too, its capture goes through the norm; the decoder itself never runs it.
+        self._final_norm = self.decoder.norm if last == self.num_target_layers - 1 else None
+        self.decoder.norm = nn.Identity()
+        self._lm_head_weight = model.get_output_embeddings().weight
+
+        param = next(model.parameters())
+        if strict is None:
+            strict = param.device.type == "cuda"
+        self.fastpath_report: FastPathReport = fastpath.enable(model, strict=strict)
+        if self.fastpath_report.layers:
+            # On a CPU the torch fallback is expected (and correct); on a GPU a fallback costs ~2x target time.
+            slow = not self.fastpath_report.ok and param.device.type != "cpu"
+            (logger.warning if slow else logger.info)("target fast path: %s", self.fastpath_report.summary())
+        logger.info(
+            "target: %d of %d layers kept (captured %s), %s on %s",
+            last + 1,
+            self.num_target_layers,
+            self.target_layer_ids,
+            str(param.dtype).replace("torch.", ""),
+            param.device,
+        )
+
+    @classmethod
+    def from_model(
+        cls, model: nn.Module, target_layer_ids: Sequence[int], *, strict: bool | None = None
+    ) -> FrozenTarget:
+        """Wrap an in-memory causal LM. It is modified in place (frozen, truncated, final norm removed).
+
+        `strict` (default: True on CUDA) makes a linear-attention layer that fell back to torch an error.
+        """
+        return cls(model, target_layer_ids, strict=strict)
+
+    # ---- what the trainer reads ------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self._lm_head_weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._lm_head_weight.dtype
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """(V, D): the target's LM head (tied to the embedding on small Qwen3.5s); never run here, only read."""
+        return self._lm_head_weight
+
+    @torch.no_grad()
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, L) token ids → (B, L, D) with the target's frozen input embedding."""
+        return self.model.get_input_embeddings()(ids)
+
+    @torch.no_grad()
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states of `target_layer_ids` → (B, T, n * D), concatenated in that order.
+
+        Layer i's slice equals `output_hidden_states[i + 1]` of the full model. `attention_mask` (B, T), 1 = token,
+        marks right padding. Under no_grad (not inference_mode: the features are saved for the drafter's backward).
+        """
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+        batch, length = input_ids.shape
+        width = self.hidden_size
+        # One buffer, each layer's output copied once into its slice as soon as it exists: holding n layer outputs
+        # and concatenating at the end would keep n * B * T * D extra elements alive until the cat.
+        features = torch.empty(
+            batch, length, len(self.target_layer_ids) * width, dtype=self.dtype, device=input_ids.device
+        )
+        slots: dict[int, list[int]] = {}
+        for slot, layer in enumerate(self.target_layer_ids):
+            slots.setdefault(layer, []).append(slot)
+        written: set[int] = set()
+
+        def write(layer: int, _module, _args, output) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output
+            if self._final_norm is not None and layer == self.num_target_layers - 1:
+                hidden = self._final_norm(hidden)
+            for slot in slots[layer]:
+                features[..., slot * width : (slot + 1) * width].copy_(hidden)
+            written.add(layer)
+
+        layers = self.decoder.layers
+        handles = [layers[i].register_forward_hook(_bind(write, i)) for i in slots]
+        try:
+            self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        if written != set(slots):
+            raise RuntimeError(f"target layers {sorted(set(slots) - written)} did not run during capture")
+        return features
+
+
+def _bind(fn, layer: int):
+    return lambda module, args, output: fn(layer, module, args, output)
+
+
+def _validate_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
+    ids = list(ids)
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"target_layer_ids must be a non-empty list of integers, got {ids!r}")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"target_layer_ids {bad} are out of range: the target has layers 0..{num_layers - 1}")
+    return ids
+
+
+def _truncate(decoder: nn.Module, text_config, keep: int) -> None:
+    """Keep decoder layers [0, keep); the config follows, so caches and mask builders agree with the modules."""
+    if len(decoder.layers) > keep:
+        decoder.layers = nn.ModuleList(list(decoder.layers)[:keep])
+    _truncate_config(text_config, keep)
+
+
+def _truncate_config(text_config, keep: int) -> None:
+    text_config.num_hidden_layers = keep
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None:
+        text_config.layer_types = list(layer_types)[:keep]
+
+
+# ---- loading -------------------------------------------------------------------------------------------------
+
+
+def resolve_local_files_only(local_files_only: bool | None) -> bool:
+    """Whether loading may download: an explicit argument wins; otherwise only when HF_HUB_OFFLINE is *explicitly*
+    set to a false value ("0", "false", "no", "off").
+
+    Unset means offline on purpose: a training job should never start a silent multi-GB download; a hub id that
+    is already in the local cache loads either way.
+    """
+    if local_files_only is not None:
+        return bool(local_files_only)
+    env = os.environ.get("HF_HUB_OFFLINE")
+    return env is None or env.strip().lower() not in _FALSE
+
+
+def load_target(
+    path_or_id: str | os.PathLike,
+    *,
+    target_layer_ids: Sequence[int] | None = None,
+    num_features: int = 5,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    trust_remote_code: bool = False,
+    local_files_only: bool | None = None,
+    attn_implementation: str = "sdpa",
+    strict: bool | None = None,
+) -> FrozenTarget:
+    """Load a frozen target from a local directory or a hub id; safetensors only.
+
+    Args:
+        target_layer_ids: layers to capture; default `build_target_layer_ids(L, num_features)` (27B: [1,16,31,46,61]).
+            Layers after the last one are never loaded.
+        dtype: default bf16 on CUDA, fp32 on CPU.
+        device: default "cuda" when available, else "cpu". Weights load straight onto it.
+        trust_remote_code: run the checkpoint's own modeling code; off unless asked.
+        local_files_only: see `resolve_local_files_only` (default: no downloads unless HF_HUB_OFFLINE=0).
+        strict: raise `fastpath.FastPathError` when a linear-attention layer falls back (default: on CUDA).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    directory = _resolve_directory(path_or_id, resolve_local_files_only(local_files_only), trust_remote_code)
+    _check_checkpoint(directory)
+
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    text_config = target_text_config(config)
+    full_config = copy.deepcopy(text_config)
+    num_layers = int(text_config.num_hidden_layers)
+    ids = _validate_layer_ids(
+        target_layer_ids if target_layer_ids is not None else build_target_layer_ids(num_layers, num_features),
+        num_layers,
+    )
+    # Build only the layers up to the last captured one: the others' weights stay on disk.
+    _truncate_config(text_config, max(ids) + 1)
+    # The checkpoint's later layers are now "unexpected keys" by design, so transformers' load report is silenced
+    # and checked here instead: a missing key would be a randomly initialised weight.
+    # Loading straight onto the GPU needs `accelerate` (transformers' device_map); without it, load then move.
+    placement = {"device_map": {"": device}} if device.type != "cpu" and _has_accelerate() else {}
+    with _quiet_transformers():
+        model, info = AutoModelForCausalLM.from_pretrained(
+            directory,
+            config=config,
+            dtype=dtype,
+            **placement,
+            use_safetensors=True,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+            output_loading_info=True,
+        )
+    missing = sorted(info.get("missing_keys") or [])
+    mismatched = sorted(str(k) for k in info.get("mismatched_keys") or [])
+    if missing or mismatched:
+        raise ValueError(
+            f"target {directory} does not fit its config: missing weights {missing[:8]}, "
+            f"mismatched shapes {mismatched[:8]}"
+        )
+    logger.info(
+        "target %s: %d checkpoint tensors of dropped layers not loaded",
+        path_or_id,
+        len(info.get("unexpected_keys") or []),
+    )
+    model.to(device)
+    target = FrozenTarget(model, ids, config=full_config, strict=strict)
+    target.name_or_path = str(path_or_id)
+    return target
+
+
+def _has_accelerate() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("accelerate") is not None
+
+
+def _resolve_directory(path_or_id: str | os.PathLike, local_files_only: bool, trust_remote_code: bool) -> Path:
+    path = Path(path_or_id).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise NotADirectoryError(f"target {path} is a file; expected a model directory with config.json")
+        return path
+    name = str(path_or_id)
+    if not _HUB_ID.match(name):
+        raise FileNotFoundError(f"target directory {name} does not exist (and is not a hub id like 'Qwen/Qwen3-8B')")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    patterns = ["*.json", "*.safetensors"] + (["*.py"] if trust_remote_code else [])
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=local_files_only))
+    except LocalEntryNotFoundError as err:
+        raise FileNotFoundError(
+            f"target {name} is neither a local directory nor in the hub cache; to download it, pass "
+            "local_files_only=False or set HF_HUB_OFFLINE=0"
+        ) from err
+
+
+def _check_checkpoint(directory: Path) -> None:
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"target directory {directory} has no config.json")
+    if any(directory.glob("*.safetensors")):
+        return
+    pickled = [name for name in _PICKLE_WEIGHTS if (directory / name).exists()]
+    if pickled:
+        raise ValueError(
+            f"target {directory} holds only pickle weights ({', '.join(pickled)}); flashdraft loads safetensors "
+            "only, because unpickling can run arbitrary code. In an environment you trust, convert with "
+            "`AutoModelForCausalLM.from_pretrained(p).save_pretrained(p)` (writes model.safetensors)"
+        )
+    raise FileNotFoundError(f"target directory {directory} has no *.safetensors weights")
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Lower transformers' logging to errors for the duration of a load."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+__all__ = ["FrozenTarget", "load_target", "resolve_local_files_only"]

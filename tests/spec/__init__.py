@@ -1,0 +1,143 @@
+"""Tests of flashdraft.spec, and the helpers they share (tiny targets and drafters).
+
+transformers' torch reference of the gated delta rule computes in float32 even for a float64 model, which
+limits any comparison to ~1e-8. `exact_targets` therefore also installs a float64 delta rule (`exact_delta_rule`,
+the textbook recurrence in the input's dtype) so that "exact" can mean ≤ 1e-10.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import pytest
+import torch
+
+from flashdraft import fastpath
+from flashdraft.fastpath.patch import linear_attention_layers
+from flashdraft.tiny_configs import build_tiny_target
+
+VOCAB = 256
+MASK = VOCAB - 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread; on a busy 2-core machine two threads cost up to 50x per op.
+
+    Imported by every test module here (a fixture in the module's namespace is collected).
+    """
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def exact_delta_rule(
+    query, key, value, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, **_
+):
+    """Gated delta rule, token by token, in the dtype of `value`; `[B, T, H, K]` inputs as transformers passes."""
+    q, k, v, b, g = (x.transpose(1, 2) for x in (query, key, value, beta, g))
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    batch, heads, length, k_dim = k.shape
+    s = torch.zeros(batch, heads, k_dim, v.shape[-1], dtype=v.dtype) if initial_state is None else initial_state
+    s = s.to(v.dtype)
+    out = torch.empty_like(v)
+    for t in range(length):
+        s = s * g[:, :, t].exp()[..., None, None]
+        delta = (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", s, k[:, :, t])) * b[:, :, t, None]
+        s = s + k[:, :, t, :, None] * delta[:, :, None, :]
+        out[:, :, t] = torch.einsum("bhkv,bhk->bhv", s, q[:, :, t])
+    return out.transpose(1, 2), (s if output_final_state else None)
+
+
+def tiny_target(family: str, dtype=torch.float64, seed: int = 0, **kwargs):
+    """A tiny random target; MoE families use the eager experts (grouped_mm has no float64)."""
+    target = build_tiny_target(family, dtype=dtype, seed=seed, **kwargs)
+    if family in ("qwen3_5_moe", "qwen3_next"):
+        target.set_experts_implementation("eager")
+    return target
+
+
+@contextlib.contextmanager
+def ready(*targets, exact: bool = True):
+    """Enable the fast path (torch fallback on a CPU) on hybrid targets; with `exact`, the float64 delta rule.
+
+    Everything patched is put back on exit, so other test modules see transformers' import-time state.
+    """
+    patched: list[tuple[object, str, object]] = []
+    hybrids = [t for t in targets if linear_attention_layers(t)]
+    try:
+        for target in hybrids:
+            module = sys.modules[type(linear_attention_layers(target)[0][1]).__module__]
+            fastpath.enable(target, strict=False, run_probe=False)
+            if exact and next(target.parameters()).dtype == torch.float64:
+                for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+                    patched.append((module, name, getattr(module, name)))
+                    setattr(module, name, exact_delta_rule)
+        yield targets
+    finally:
+        for module, name, fn in reversed(patched):
+            setattr(module, name, fn)
+        for target in hybrids:
+            fastpath.disable(target)
+
+
+def random_drafter(target, block_size: int = 16, num_layers: int = 1, seed: int = 0):
+    """A randomly initialised DFlash drafter for `target`, in the target's dtype."""
+    from flashdraft.drafter import DFlashDraftModel
+
+    torch.manual_seed(seed)
+    mask = target.config.vocab_size - 1
+    drafter = DFlashDraftModel.from_target(
+        target.config, num_layers=num_layers, block_size=block_size, mask_token_id=mask
+    )
+    return drafter.to(next(target.parameters()).dtype).eval()
+
+
+class ScriptedDrafter(torch.nn.Module):
+    """Drafts a known continuation (e.g. the target's own greedy output), wrong at a chosen rate.
+
+    Duck-types the drafter interface the decoding loop uses: the forward returns each block position as its
+    "hidden state", and `compute_logits` turns a position into a peaked distribution on `script[position]`
+    (or on another token, with probability `error_rate`), so acceptance lengths span 0 .. bs - 1.
+    """
+
+    def __init__(self, script: list[int], vocab: int, block_size: int, error_rate: float = 0.0, seed: int = 0):
+        super().__init__()
+        self.script, self.vocab, self.block_size, self.error_rate = list(script), vocab, block_size, error_rate
+        self.mask_token_id, self.target_layer_ids = MASK % vocab, [0]
+        self.scale = torch.nn.Parameter(torch.tensor(8.0, dtype=torch.float64), requires_grad=False)
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def forward(self, position_ids, noise_embedding=None, target_hidden=None, past_key_values=None, **_):
+        block = position_ids[:, -noise_embedding.shape[1] :]
+        return block[..., None].to(self.scale.dtype)
+
+    def compute_logits(self, hidden, lm_head):
+        positions = hidden[..., 0].long().tolist()
+        tokens = [self.script[p] if p < len(self.script) else 0 for p in positions]
+        wrong = torch.rand(len(tokens), generator=self.rng) < self.error_rate
+        tokens = [(t + 1) % self.vocab if w else t for t, w in zip(tokens, wrong.tolist(), strict=True)]
+        logits = torch.zeros(len(tokens), self.vocab, dtype=self.scale.dtype)
+        logits[torch.arange(len(tokens)), torch.tensor(tokens)] = self.scale
+        return logits
+
+
+@torch.inference_mode()
+def reference_greedy(target, prompt: torch.Tensor, max_new_tokens: int, stop_token_ids=()) -> list[int]:
+    """The target's own greedy decoding: transformers' cache, one token per forward (an independent path)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    out, ids = [], prompt.view(1, -1)
+    for _ in range(max_new_tokens):
+        token = int(target(ids, past_key_values=cache, use_cache=True).logits[0, -1].argmax())
+        out.append(token)
+        if token in stop_token_ids:
+            break
+        ids = torch.tensor([[token]])
+    return out

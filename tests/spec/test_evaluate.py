@@ -1,0 +1,161 @@
+"""`flashdraft eval` end to end on a tiny target + drafter saved to disk, with a tiny word-level tokenizer."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from flashdraft.spec import evaluate
+
+from . import one_thread, random_drafter, tiny_target  # noqa: F401 (one_thread: autouse fixture)
+
+WORDS = "the a cat dog sat on mat ran far away and then home is good bad big small red blue".split()
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <end> {% endfor %}"
+    "{% if add_generation_prompt %}<assistant> {% endif %}"
+)
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<pad>", "<eos>", "<end>", "<user>", "<assistant>", "<system>"]
+    vocab = {w: i for i, w in enumerate(specials + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>", chat_template=CHAT_TEMPLATE
+    )
+
+
+def _save_models(root, family):
+    target = tiny_target(family, dtype=torch.float32, seed=21, vocab_size=64)
+    target.generation_config.eos_token_id = 2
+    target.save_pretrained(root / "target")
+    _tokenizer().save_pretrained(root / "target")
+    random_drafter(target, block_size=4, seed=22).save_pretrained(root / "drafter")
+    return root
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return _save_models(tmp_path_factory.mktemp("eval"), "qwen3")
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser()
+    evaluate.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["eval", *argv])
+
+
+def _write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_eval_end_to_end(models, tmp_path, capsys):
+    prompts = _write(
+        tmp_path / "prompts.jsonl",
+        [
+            json.dumps({"messages": [{"role": "user", "content": "the cat sat on the mat"}], "category": "chat"}),
+            json.dumps({"prompt": "a dog ran far away and then home", "category": "text"}),
+            "",
+            json.dumps({"messages": [{"role": "user", "content": "is red good"}], "category": "chat"}),
+            json.dumps({"prompt": "big small big small big"}),
+        ],
+    )
+    out_json, out_png = tmp_path / "eval.json", tmp_path / "eval.png"
+    args = _args(
+        "--target", str(models / "target"), "--drafter", str(models / "drafter"), "--prompts", str(prompts),
+        "--max-new-tokens", "12", "--json", str(out_json), "--plot", str(out_png), "--device", "cpu",
+        "--ignore-eos", "--no-progress",
+    )  # fmt: skip
+    assert args.run(args) == 0
+    report = json.loads(out_json.read_text())
+    for key in ("tau", "speedup", "prompt_lookup_tau", "per_category", "per_position_acceptance",
+                "acceptance_length_p95", "tokens_per_second", "acceptance_length_histogram"):  # fmt: skip
+        assert key in report, key
+    assert report["num_prompts"] == 4 and report["block_size"] == 4
+    assert set(report["per_category"]) == {"chat", "text", "all"}
+    assert sum(c["num_prompts"] for c in report["per_category"].values()) == 4
+    assert report["tokens"] == {"dflash": 48, "autoregressive": 48, "prompt_lookup": 48}
+    assert report["greedy_mismatches"] == 0
+    tps = report["tokens_per_second"]
+    assert report["speedup"] == pytest.approx(tps["dflash"] / tps["autoregressive"])
+    assert 1 <= report["tau"] <= 4 and 1 <= report["prompt_lookup_tau"] <= 4
+    assert len(report["per_position_acceptance"]) == 3
+    hist = report["acceptance_length_histogram"]
+    # Each prompt: 1 token from the prefill, 11 from verification rounds.
+    assert sum(int(k) * v for k, v in hist.items()) == 4 * 11
+    assert report["tau"] == pytest.approx(4 * 11 / sum(hist.values()))
+    assert out_png.stat().st_size > 1000 and out_png.read_bytes()[:4] == b"\x89PNG"
+    printed = capsys.readouterr().out
+    assert "overall" in printed and "chat" in printed
+
+
+def test_eval_limit_and_stop_tokens(models, tmp_path):
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": f"the {w} sat"}) for w in WORDS[:5]])
+    out_json = tmp_path / "r.json"
+    args = _args(
+        "--target", str(models / "target"), "--drafter", str(models / "drafter"), "--prompts", str(prompts),
+        "--max-new-tokens", "6", "--limit", "2", "--json", str(out_json), "--no-progress", "--block-size", "3",
+    )  # fmt: skip
+    assert args.run(args) == 0
+    report = json.loads(out_json.read_text())
+    assert report["num_prompts"] == 2 and report["block_size"] == 3
+    assert report["tokens"]["dflash"] == report["tokens"]["autoregressive"] <= 12
+
+
+def test_eval_hybrid_target_enables_the_fast_path(tmp_path, capsys):
+    from flashdraft import fastpath
+
+    root = _save_models(tmp_path, "qwen3_5")
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "the cat sat on the mat and the dog"})])
+    out_json = tmp_path / "r.json"
+    args = _args(
+        "--target", str(root / "target"), "--drafter", str(root / "drafter"), "--prompts", str(prompts),
+        "--max-new-tokens", "10", "--json", str(out_json), "--no-progress", "--ignore-eos",
+    )  # fmt: skip
+    try:
+        assert args.run(args) == 0
+    finally:  # enable() patched the modeling module; give other tests transformers' own state back
+        fastpath.disable(tiny_target("qwen3_5", dtype=torch.float32))
+    report = json.loads(out_json.read_text())
+    assert report["tokens"]["dflash"] == report["tokens"]["autoregressive"] == 10
+    assert report["greedy_mismatches"] == 0
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"text": "hi"}', "expected a 'messages' or a 'prompt' field"),
+        ('{"messages": "hi"}', "'messages' must be a non-empty list"),
+        ('{"prompt": 3}', "'prompt' must be a string"),
+        ('{"prompt": "the cat", "category": 5}', "'category' must be a non-empty string"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
+def test_bad_prompt_lines_name_file_and_line(tmp_path, line, message):
+    path = _write(tmp_path / "bad.jsonl", [json.dumps({"prompt": "the cat"}), line])
+    with pytest.raises(ValueError, match=message) as info:
+        evaluate.load_prompts(path, _tokenizer())
+    assert f"{path}:2:" in str(info.value)
+
+
+def test_chat_template_and_empty_file(tmp_path):
+    tokenizer = _tokenizer()
+    path = _write(tmp_path / "p.jsonl", [json.dumps({"messages": [{"role": "user", "content": "the cat"}]})])
+    (prompt,) = evaluate.load_prompts(path, tokenizer)
+    assert tokenizer.decode(prompt.input_ids[0]) == "<user> the cat <end> <assistant>"
+    assert prompt.category == "all" and prompt.line == 1
+    with pytest.raises(ValueError, match="no prompts"):
+        evaluate.load_prompts(_write(tmp_path / "empty.jsonl", ["", "  "]), tokenizer)
+
+
+def test_missing_target_or_drafter_exits_2(capsys):
+    args = _args("--prompts", "x.jsonl")
+    assert args.run(args) == 2
+    assert "--target and --drafter" in capsys.readouterr().err

@@ -1,0 +1,159 @@
+"""Greedy speculative decoding reproduces the target's own greedy decoding token for token, on hybrid and plain
+tiny targets (float64), whatever the drafter proposes; stop tokens and max_new_tokens are honoured exactly."""
+
+import pytest
+import torch
+
+from flashdraft.spec import autoregressive_generate, generate, prompt_lookup_generate
+
+from . import (  # noqa: F401 (one_thread: autouse fixture)
+    ScriptedDrafter,
+    one_thread,
+    random_drafter,
+    ready,
+    reference_greedy,
+    tiny_target,
+)
+
+FAMILIES = ["qwen3_5", "qwen3"]
+BLOCK_SIZES = (2, 4, 16)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def setup(request):
+    """(target, random drafter, prompts with their reference greedy continuations)."""
+    target = tiny_target(request.param, seed=11)
+    drafter = random_drafter(target, block_size=16, seed=12)
+    g = torch.Generator().manual_seed(13)
+    with ready(target):
+        cases = []
+        for i in range(16):
+            prompt_len = 1 if i == 0 else int(torch.randint(2, 41, (1,), generator=g))
+            max_new = 60 if i < 2 else int(torch.randint(1, 40, (1,), generator=g))
+            prompt = torch.randint(0, 256, (1, prompt_len), generator=g)
+            cases.append((prompt, max_new, reference_greedy(target, prompt, max_new)))
+        yield target, drafter, cases
+
+
+def _check_stats(result, block_size):
+    assert sum(result.acceptance_lengths) + 1 == len(result.tokens)
+    assert all(1 <= a <= block_size for a in result.acceptance_lengths)
+    assert len(result.position_accepted) == block_size - 1
+    assert all(0 <= a <= o for a, o in zip(result.position_accepted, result.position_offered, strict=True))
+    # Acceptance is a prefix: position k + 1 is accepted only when position k was.
+    assert all(a >= b for a, b in zip(result.position_accepted, result.position_accepted[1:], strict=False))
+    assert result.num_target_forwards >= 1 + result.num_rounds
+
+
+def test_greedy_equals_target_greedy_with_a_random_drafter(setup):
+    target, drafter, cases = setup
+    with ready(target):
+        for i, (prompt, max_new, expected) in enumerate(cases):
+            block_size = BLOCK_SIZES[i % len(BLOCK_SIZES)]
+            result = generate(target, drafter, prompt, max_new, block_size=block_size)
+            assert result.tokens == expected, f"prompt {i} (length {prompt.shape[1]}), block size {block_size}"
+            _check_stats(result, block_size)
+
+
+@pytest.mark.parametrize("block_size,error_rate", [(4, 0.3), (16, 0.08)])
+def test_greedy_with_high_acceptance_covers_every_acceptance_length(setup, block_size, error_rate):
+    """A drafter that knows the answer (wrong at `error_rate`): full blocks (no rollback) and every partial."""
+    target, _, cases = setup
+    accepted_drafts = set()
+    with ready(target):
+        for i, (prompt, max_new, expected) in enumerate(cases[:6]):
+            script = prompt[0].tolist() + expected
+            drafter = ScriptedDrafter(script, 256, block_size, error_rate, seed=i)
+            result = generate(target, drafter, prompt, max_new)
+            assert result.tokens == expected, f"prompt {i}"
+            _check_stats(result, block_size)
+            accepted_drafts.update(a - 1 for a in result.acceptance_lengths[:-1])
+    assert {0, block_size - 1} <= accepted_drafts
+
+
+def test_deferred_tokens_are_committed_when_too_many(setup):
+    """With max_deferred=2 a hybrid target commits long deferred runs by an extra forward; output unchanged."""
+    target, drafter, cases = setup
+    prompt, max_new, expected = cases[0]
+    with ready(target):
+        result = generate(target, drafter, prompt, max_new, block_size=4, max_deferred=2)
+    assert result.tokens == expected
+    extra = result.num_target_forwards - 1 - result.num_rounds
+    if target.config.model_type == "qwen3":
+        assert extra == 0  # a plain cache is cropped to the accepted prefix: nothing is ever deferred
+    else:
+        assert extra > 0
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_max_new_tokens_is_exact(setup, block_size):
+    target, _, cases = setup
+    prompt, _, expected = cases[1]
+    drafter = ScriptedDrafter(prompt[0].tolist() + expected, 256, block_size)
+    with ready(target):
+        for n in sorted({0, 1, 2, block_size - 1, block_size, block_size + 1, 2 * block_size + 3}):
+            result = generate(target, drafter, prompt, n)
+            assert result.tokens == expected[:n], f"max_new_tokens={n}"
+            assert not result.stopped
+
+
+def test_stop_tokens(setup):
+    target, drafter, cases = setup
+    prompt, max_new, expected = cases[0]
+    scripted = ScriptedDrafter(prompt[0].tolist() + expected, 256, 8)
+    with ready(target):
+        for j in (0, 5, len(expected) // 2):
+            stop = expected[j]
+            cut = expected[: expected.index(stop) + 1]
+            for d in (drafter, scripted):
+                result = generate(target, d, prompt, max_new, block_size=8, stop_token_ids=[stop, 300])
+                assert result.tokens == cut and result.stopped
+                assert sum(result.acceptance_lengths) + 1 == len(cut)
+        absent = next(t for t in range(256) if t not in expected)
+        assert generate(target, scripted, prompt, max_new, stop_token_ids=[absent]).tokens == expected
+
+
+def test_matches_transformers_generate(setup):
+    target, drafter, cases = setup
+    with ready(target):
+        for prompt, _, _ in cases[2:4]:
+            hf = target.generate(
+                prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None
+            )
+            result = generate(target, drafter, prompt, 20, block_size=4)
+            assert result.tokens == hf[0, prompt.shape[1] :].tolist()
+
+
+def test_baselines_equal_target_greedy(setup):
+    target, _, cases = setup
+    with ready(target):
+        for prompt, max_new, expected in cases[:3]:
+            ar = autoregressive_generate(target, prompt, max_new)
+            assert ar.tokens == expected and set(ar.acceptance_lengths) <= {1}
+            assert ar.num_target_forwards == len(expected)
+            pl = prompt_lookup_generate(target, prompt, max_new, block_size=8)
+            assert pl.tokens == expected
+            _check_stats(pl, 8)
+        # Tiny random models repeat themselves, which prompt lookup drafts correctly now and then.
+        prompt, max_new, expected = cases[0]
+        assert max(prompt_lookup_generate(target, prompt, max_new, block_size=8).acceptance_lengths) >= 3
+
+
+def test_prompt_lookup_proposals():
+    from flashdraft.spec.baselines import PromptLookupProposer
+
+    propose = PromptLookupProposer(ngram_max=3).propose
+    tokens = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])
+    assert propose(tokens, 3)[0].tolist() == [8, 9, 5]  # the trigram 5 6 7 continues with 8 9 5
+    assert propose(torch.tensor([1, 2, 3, 2]), 5)[0].tolist() == [3, 2]  # unigram fallback, up to the end
+    assert propose(torch.tensor([1, 2, 3]), 4)[0] is None
+
+
+def test_bad_inputs(setup):
+    target, drafter, _ = setup
+    with pytest.raises(ValueError, match="batch 1"):
+        generate(target, drafter, torch.zeros(2, 3, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="empty"):
+        generate(target, drafter, torch.zeros(1, 0, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(target, drafter, torch.zeros(1, 3, dtype=torch.long), 4, temperature=-1.0)

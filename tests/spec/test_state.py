@@ -1,0 +1,116 @@
+"""Exact cache rollback: after verifying 8 tokens and keeping k of them, decoding continues as if the 8 - k
+rejected tokens had never been seen — equal to a forward without cache, in float64, to 1e-10."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from flashdraft.spec import state
+from flashdraft.tiny_configs import ALL_FAMILIES, HYBRID_FAMILIES
+
+from . import one_thread, ready, tiny_target  # noqa: F401 (one_thread: autouse fixture)
+
+PREFIX, BLOCK, AFTER = 13, 8, 3
+
+
+@pytest.fixture(scope="module", params=ALL_FAMILIES)
+def target(request):
+    model = tiny_target(request.param, seed=1)
+    with ready(model):
+        yield model
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (1, PREFIX + BLOCK + AFTER), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.inference_mode()
+def _ours(target, ids: torch.Tensor, keep: int) -> torch.Tensor:
+    """Prefill, verify a block of 8, keep `keep`, then feed what the cache lacks plus AFTER more tokens."""
+    cache = state.new_cache(target)
+    target(ids[:, :PREFIX], past_key_values=cache, use_cache=True)
+    snap = state.take_snapshot(cache)
+    target(ids[:, PREFIX : PREFIX + BLOCK], past_key_values=cache, use_cache=True)
+    committed = PREFIX + state.rollback(cache, snap, keep)
+    assert state.kv_length(cache) == committed
+    return target(ids[:, committed : PREFIX + keep + AFTER], past_key_values=cache, use_cache=True).logits[:, -AFTER:]
+
+
+@torch.inference_mode()
+def _transformers_crop(target, ids: torch.Tensor, keep: int) -> torch.Tensor:
+    """The same with transformers' activate_past_recording() + crop()."""
+    cache = DynamicCache(config=target.config)
+    cache.activate_past_recording()
+    target(ids[:, :PREFIX], past_key_values=cache, use_cache=True)
+    cache.crop(0)
+    target(ids[:, PREFIX : PREFIX + BLOCK], past_key_values=cache, use_cache=True)
+    cache.crop(keep - BLOCK)
+    return target(ids[:, PREFIX + keep : PREFIX + keep + AFTER], past_key_values=cache, use_cache=True).logits[
+        :, -AFTER:
+    ]
+
+
+@torch.inference_mode()
+def _no_cache(target, ids: torch.Tensor, keep: int) -> torch.Tensor:
+    return target(ids[:, : PREFIX + keep + AFTER]).logits[:, -AFTER:]
+
+
+def test_rollback_equals_a_forward_without_cache(target):
+    family = target.config.model_type
+    hybrid = any(t == "linear_attention" for t in getattr(target.config, "layer_types", []) or [])
+    ids = _ids()
+    ours_err, crop_err = [], []
+    for keep in range(BLOCK + 1):
+        expected = _no_cache(target, ids, keep)
+        ours_err.append((_ours(target, ids, keep) - expected).abs().max().item())
+        crop_err.append((_transformers_crop(target, ids, keep) - expected).abs().max().item())
+    print(f"\n{family}: max |logit error| per kept k=0..8")
+    print("  ours:            " + " ".join(f"{e:.1e}" for e in ours_err))
+    print("  transformers crop: " + " ".join(f"{e:.1e}" for e in crop_err))
+    assert max(ours_err) <= 1e-10
+    if hybrid:
+        # crop leaves the recurrent state advanced over the rejected tokens: wrong unless all 8 are kept.
+        assert min(crop_err[:BLOCK]) > 1e-6 and min(crop_err[:BLOCK]) > 1e4 * max(ours_err)
+        assert crop_err[BLOCK] <= 1e-10
+
+
+def test_rollback_reports_what_the_cache_kept(target):
+    hybrid = state.is_hybrid(state.new_cache(target))
+    ids = _ids(1)
+    with torch.inference_mode():
+        cache = state.new_cache(target)
+        target(ids[:, :PREFIX], past_key_values=cache, use_cache=True)
+        snap = state.take_snapshot(cache)
+        target(ids[:, PREFIX : PREFIX + 4], past_key_values=cache, use_cache=True)
+        assert state.rollback(cache, snap, 2) == (0 if hybrid else 2)
+        assert state.kv_length(cache) == PREFIX + (0 if hybrid else 2)
+        with pytest.raises(ValueError, match="keep must be in"):
+            state.rollback(cache, snap, 99)
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES[:1])
+def test_snapshot_buffers_are_reused_and_independent_of_in_place_updates(family):
+    """The single-token decode path updates the conv state in place; a snapshot must not alias it."""
+    model = tiny_target(family, seed=2)
+    ids = _ids(2)
+    with ready(model), torch.inference_mode():
+        cache = state.new_cache(model)
+        model(ids[:, :PREFIX], past_key_values=cache, use_cache=True)
+        snap = state.take_snapshot(cache)
+        buffers = {key: t.data_ptr() for key, t in snap.conv.items()}
+        model(ids[:, PREFIX : PREFIX + 1], past_key_values=cache, use_cache=True)
+        state.rollback(cache, snap, 0)
+        expected = model(ids[:, : PREFIX + 1]).logits[:, -1]
+        got = model(ids[:, PREFIX : PREFIX + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+        assert (got - expected).abs().max().item() <= 1e-10
+        again = state.take_snapshot(cache, reuse=snap)
+        assert again is snap and {key: t.data_ptr() for key, t in snap.conv.items()} == buffers
+
+
+def test_unsupported_cache_layers_are_refused():
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    cache = DynamicCache()
+    cache.layers = [DynamicSlidingWindowLayer(sliding_window=4)]
+    with pytest.raises(NotImplementedError, match="DynamicSlidingWindowLayer"):
+        state.take_snapshot(cache)

@@ -1,0 +1,178 @@
+"""FrozenTarget / load_target: capture == output_hidden_states exactly, truncation, freezing, loading rules."""
+
+import json
+
+import pytest
+import torch
+
+from flashdraft import fastpath
+from flashdraft.target import FrozenTarget, load_target, resolve_local_files_only
+from flashdraft.tiny_configs import build_tiny_target
+
+LAYERS = 8
+
+
+def full_reference(family, dtype, ids, mask=None, seed=0):
+    """The untouched model's output_hidden_states (fast path enabled, as on every hybrid target)."""
+    model = build_tiny_target(family, num_layers=LAYERS, dtype=dtype, seed=seed)
+    fastpath.enable(model, strict=False)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+
+
+@pytest.mark.parametrize("family,dtype", [("qwen3", torch.float64), ("qwen3_5", torch.float32)])
+@pytest.mark.parametrize("layer_ids", [[1, 3, 5], [5, 0, 5, 2], [2, 7]], ids=["sorted", "unsorted-dup", "last"])
+def test_capture_equals_output_hidden_states(family, dtype, layer_ids):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (2, 13), generator=g)
+    hidden_states = full_reference(family, dtype, ids)
+
+    model = build_tiny_target(family, num_layers=LAYERS, dtype=dtype, seed=0)
+    target = FrozenTarget.from_model(model, layer_ids, strict=False)
+    lm_head_calls = []
+    model.lm_head.register_forward_hook(lambda *_: lm_head_calls.append(1))
+    features = target.capture(ids)
+
+    expected = torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+    assert features.shape == (2, 13, len(layer_ids) * 64) and features.dtype == dtype
+    assert torch.equal(features, expected)  # exactly: same kernels, same inputs
+    assert not lm_head_calls
+    # Truncated after the last captured layer; the final norm never runs inside the decoder.
+    assert len(model.model.layers) == max(layer_ids) + 1
+    assert model.config.num_hidden_layers == max(layer_ids) + 1
+    assert isinstance(model.model.norm, torch.nn.Identity)
+    # The full config is what a drafter is built from.
+    assert target.config.num_hidden_layers == LAYERS and target.num_target_layers == LAYERS
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_capture_with_right_padding(family):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (2, 11), generator=g)
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, 7:] = 0
+    hidden_states = full_reference(family, torch.float64, ids, mask)
+    target = FrozenTarget.from_model(build_tiny_target(family, LAYERS, dtype=torch.float64), [1, 4], strict=False)
+    features = target.capture(ids, mask)
+    expected = torch.cat([hidden_states[2], hidden_states[5]], dim=-1)
+    assert torch.equal(features, expected)
+
+
+def test_frozen_embed_and_lm_head():
+    model = build_tiny_target("qwen3_5", LAYERS, dtype=torch.float64)
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    target = FrozenTarget.from_model(model, [1, 2], strict=False)
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    ids = torch.tensor([[3, 7, 255]])
+    assert torch.equal(target.embed(ids), embedding[ids])
+    assert target.lm_head_weight.shape == (256, 64)
+    assert target.lm_head_weight is model.lm_head.weight
+    features = target.capture(ids)
+    assert not features.requires_grad
+    # The probe ran on the truncated model and is kept on the object: one row per linear-attention layer kept.
+    assert [layer.index for layer in target.fastpath_report.layers] == [0, 1, 2]
+
+
+def test_layer_id_validation():
+    with pytest.raises(ValueError, match=r"out of range.*0\.\.7"):
+        FrozenTarget.from_model(build_tiny_target("qwen3", LAYERS), [1, 8], strict=False)
+    with pytest.raises(ValueError, match="non-empty"):
+        FrozenTarget.from_model(build_tiny_target("qwen3", LAYERS), [], strict=False)
+
+
+# ---- loading -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_load_target_reads_only_kept_layers(tmp_path, family):
+    build_tiny_target(family, LAYERS, seed=3).save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 256, (1, 9), generator=g)
+    hidden_states = full_reference(family, torch.float32, ids, seed=3)
+
+    target = load_target(tmp_path, target_layer_ids=[0, 2])
+    assert target.dtype == torch.float32 and target.device.type == "cpu"  # CPU default: fp32
+    assert len(target.decoder.layers) == 3 and target.config.num_hidden_layers == LAYERS
+    assert not any(name.startswith("model.layers.3.") for name, _ in target.model.named_parameters())
+    assert torch.equal(target.capture(ids), torch.cat([hidden_states[1], hidden_states[3]], dim=-1))
+    assert target.name_or_path == str(tmp_path)
+
+
+def test_load_target_multimodal_qwen35_checkpoint(tmp_path):
+    """The published Qwen3.5 layout: a ConditionalGeneration checkpoint (model.language_model.*, a vision tower).
+    Loaded as the text-only causal LM; the vision tower and the dropped layers stay on disk."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from flashdraft.tiny_configs import tiny_config
+
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=4)
+    config = Qwen3_5Config(text_config=tiny_config("qwen3_5", LAYERS).to_dict(), vision_config=vision)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path)
+    fastpath.enable(model, strict=False)
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden_states = model.model.language_model(input_ids=ids, output_hidden_states=True).hidden_states
+
+    target = load_target(tmp_path, target_layer_ids=[1, 3])
+    assert type(target.model).__name__ == "Qwen3_5ForCausalLM" and len(target.decoder.layers) == 4
+    assert target.config.num_hidden_layers == LAYERS
+    assert not any("visual" in name for name, _ in target.model.named_parameters())
+    assert torch.equal(target.capture(ids), torch.cat([hidden_states[2], hidden_states[4]], dim=-1))
+    assert torch.equal(target.lm_head_weight, model.lm_head.weight)
+
+
+def test_load_target_default_layer_ids(tmp_path):
+    build_tiny_target("qwen3", LAYERS).save_pretrained(tmp_path)
+    target = load_target(tmp_path, num_features=3, dtype=torch.float64)
+    assert target.target_layer_ids == [1, 3, 5]  # round(1 + i * (8 - 4) / 2)
+    assert target.dtype == torch.float64
+
+
+def test_load_target_errors_name_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        load_target(tmp_path / "does-not-exist")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="file"):
+        load_target(tmp_path / "file")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty has no config\.json"):
+        load_target(empty)
+    (empty / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        load_target(empty)
+    (empty / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    with pytest.raises(ValueError, match=r"only pickle weights \(pytorch_model\.bin\)"):
+        load_target(empty)
+
+
+def test_hub_id_offline_by_default(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE=0"):
+        load_target("flashdraft-tests/no-such-model")
+
+
+def test_local_files_only_rule(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert resolve_local_files_only(None) is True
+    for value, expected in [("0", False), ("false", False), ("1", True), ("", True)]:
+        monkeypatch.setenv("HF_HUB_OFFLINE", value)
+        assert resolve_local_files_only(None) is expected
+    assert resolve_local_files_only(True) is True and resolve_local_files_only(False) is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_capture_on_gpu_with_fast_path(family):
+    ids = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    model = build_tiny_target(family, LAYERS, dtype=torch.bfloat16, device="cuda")
+    fastpath.enable(model, strict=True)
+    with torch.no_grad():
+        hidden_states = model(input_ids=ids, output_hidden_states=True).hidden_states
+    model = build_tiny_target(family, LAYERS, dtype=torch.bfloat16, device="cuda")
+    target = FrozenTarget.from_model(model, [1, 3, 5])  # strict on CUDA: every linear-attention layer fast
+    assert target.fastpath_report.ok
+    assert torch.equal(target.capture(ids), torch.cat([hidden_states[i + 1] for i in [1, 3, 5]], dim=-1))
