@@ -77,10 +77,11 @@ def eval_run(out: Path, max_new_tokens: int) -> dict:
 
 
 def rollback_cost(context: int = 1024, layers: int = 16) -> dict:
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
     from bench.target_forward import qwen35_27b_config
     from flashdraft import fastpath
     from flashdraft.spec import state
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
 
     torch.manual_seed(0)
     with torch.device("cuda"):

@@ -84,9 +84,7 @@ def torch_fallbacks(module) -> TorchFallbacks:
     # 5.15+: the decorated functions wrap the torch code; 5.2-5.14 has no torch conv_fn (the layer calls nn.Conv1d).
     conv_fn = getattr(module, "causal_conv1d_fn", None)
     conv_fn = _unwrap(conv_fn) if conv_fn is not None and getattr(conv_fn, "__wrapped__", None) else None
-    conv_update = getattr(module, "torch_causal_conv1d_update", None) or _unwrap(
-        module.causal_conv1d_update
-    )
+    conv_update = getattr(module, "torch_causal_conv1d_update", None) or _unwrap(module.causal_conv1d_update)
     if conv_update is not None and not conv_update.__module__.startswith("transformers"):
         conv_update = None
     return TorchFallbacks(
