@@ -1,5 +1,6 @@
-"""The `flashdraft` command: doctor | prepare | eval | export.
+"""The `flashdraft` command: train | doctor | prepare | eval | export.
 
+    flashdraft train [--config YAML] [--out DIR] [--resume] [section.field=value ...]
     flashdraft doctor [--json] [--model tiny-family|config.json|model-dir]
     flashdraft prepare --data PATH|GLOB|s3://... --tokenizer DIR --out DIR
     flashdraft eval --target T --drafter D --prompts FILE.jsonl
@@ -20,6 +21,7 @@ import sys
 SUBCOMMANDS = {
     "doctor": "flashdraft.cli_doctor",
     "prepare": "flashdraft.data.prepare",
+    "train": "flashdraft.train.cli",
     "eval": "flashdraft.spec.evaluate",
     "export": "flashdraft.export",
 }

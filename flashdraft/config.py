@@ -69,6 +69,13 @@ class DataConfig:
     """Remove <think> content from assistant turns before templating."""
     shards: str | None = None
     """Where tokenised shards are written once and reused; default: OUT/shards."""
+    eval_prompts: str | None = "embedded"
+    """JSONL of held-out prompts ({"prompt"} or {"messages"}) for the measured τ at the end of training; "embedded"
+    uses the package's prompts when training on the embedded data; null skips it."""
+    eval_limit: int = 4
+    """Held-out prompts decoded for the measured τ."""
+    eval_max_new_tokens: int = 48
+    """Tokens generated per held-out prompt for the measured τ."""
 
 
 @dataclass(kw_only=True)
@@ -146,6 +153,8 @@ class RunConfig:
             ("data.format", self.data.format in ("auto", "chat", "sharegpt", "text", "tokenized"),
              "must be one of auto, chat, sharegpt, text, tokenized"),
             ("data.train", bool(self.data.train), "needs at least one path"),
+            ("data.eval_limit", self.data.eval_limit >= 1, "must be >= 1"),
+            ("data.eval_max_new_tokens", self.data.eval_max_new_tokens >= 1, "must be >= 1"),
             ("recipe.num_anchors", self.recipe.num_anchors >= 1, "must be >= 1"),
             ("recipe.gamma", self.recipe.gamma is None or self.recipe.gamma > 0, "must be > 0"),
             ("optim.lr", self.optim.lr > 0, "must be > 0"),

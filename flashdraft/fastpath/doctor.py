@@ -207,7 +207,7 @@ def check_transformers() -> Check:
     gen = transformers_generation(transformers.__version__)
     status = FAIL if gen.startswith("unsupported") else OK
     return Check("transformers", status, f"transformers {transformers.__version__} — {gen}",
-                 "pip install 'transformers>=5.2,<5.25'" if status == FAIL else "")  # fmt: skip
+                 "pip install 'transformers>=5.14,<5.18' (tested)" if status == FAIL else "")  # fmt: skip
 
 
 def build_probe_model(spec: str | None, probe_layers: int = 4):

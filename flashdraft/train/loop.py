@@ -1,0 +1,347 @@
+"""The DFlash training loop: frozen target → context features → packed blocks → drafter → chunked loss.
+
+    flashdraft train                                     # the embedded default: a laptop CPU, a few minutes
+    flashdraft train --config examples/tiny.yaml --out runs/tiny train.max_steps=50
+    flashdraft train --config examples/qwen3.5-27b.yaml --resume
+
+One process (data parallelism over torchrun is issue 5). Everything a step needs is derived from the step number
+(data order and anchors are seeded by (seed, epoch, sample)), so a resumed run repeats an uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashdraft import embedded
+from flashdraft.config import RunConfig, to_dict
+from flashdraft.drafter import DFlashDraftModel
+from flashdraft.drafter.recipe import (
+    anchor_generator,
+    build_blocks,
+    dense_block_mask,
+    dflash_loss,
+    sample_anchors,
+)
+from flashdraft.train.checkpoint import CheckpointManager
+from flashdraft.train.metrics import MetricsLogger, plot_training_curve
+from flashdraft.train.optim import build_optimizer, build_scheduler
+
+logger = logging.getLogger(__name__)
+PEAK_FLOPS = {"cuda": 790e12}  # measured bf16 matmul rate of an H200 (DESIGN.md); MFU is not reported elsewhere
+
+
+class TrainingError(RuntimeError):
+    """Training cannot continue (e.g. a non-finite loss); the message names the last good checkpoint."""
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    loss: float
+    sim_tau: float
+    measured_tau: float | None
+    checkpoint: Path | None
+    curve: Path | None
+
+
+@dataclass
+class Setup:
+    device: torch.device
+    tokenizer: object
+    target: object  # FrozenTarget
+    drafter: DFlashDraftModel
+    data: object  # TokenizedDataset
+    steps_per_epoch: int
+    total_steps: int
+
+
+def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
+    out = Path(cfg.log.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+    s = setup(cfg, out, console)
+    optimizer = build_optimizer(s.drafter.parameters(), cfg.optim, s.device)
+    scheduler = build_scheduler(optimizer, cfg.optim, s.total_steps)
+    checkpoints = CheckpointManager(out, keep=cfg.log.keep_checkpoints)
+    start = 0
+    if resume:
+        latest = checkpoints.latest()
+        if latest is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint in {out / 'checkpoints'}")
+        start = checkpoints.load(latest, s.drafter, optimizer, scheduler)["step"]
+        logger.info("resumed from %s (step %d)", latest, start)
+    metrics = MetricsLogger(out, total_steps=s.total_steps, trackers=cfg.log.trackers, config=to_dict(cfg),
+                            console=console, resume_from_step=start if resume else None)  # fmt: skip
+    window, last_ckpt, timer = None, checkpoints.latest() if resume else None, _Timer(s.device)
+    with metrics.progress():
+        metrics.advance(start)
+        for step in range(start, s.total_steps):
+            stats, tokens = train_step(s, cfg, optimizer, step)
+            if not math.isfinite(float(stats.loss_sum)):
+                raise TrainingError(f"non-finite loss at step {step + 1}; last good checkpoint: {last_ckpt or 'none'}")
+            scheduler.step()
+            window = stats if window is None else window + stats
+            timer.add(tokens)
+            metrics.advance()
+            done = step + 1
+            if done % cfg.log.every == 0 or done == s.total_steps:
+                metrics.log(done, summarize(window, timer.take(), s, scheduler.get_last_lr()[0]))
+                window = None
+            if done % cfg.log.checkpoint_every == 0 or done == s.total_steps:
+                last_ckpt = checkpoints.save(done, s.drafter, optimizer, scheduler, {"step": done})
+    metrics.close()
+    curve = plot_training_curve(out / "metrics.jsonl", out / "training_curve.png")
+    final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()][-1]
+    measured = measure_tau(cfg, s, out)
+    return TrainResult(out, s.total_steps, final["loss"], final["sim_tau"], measured, last_ckpt, curve)
+
+
+def train_step(s: Setup, cfg: RunConfig, optimizer, step: int):
+    """One optimizer step over `grad_accum` micro-batches; the loss is normalised over the whole step."""
+    micro = [_collate(s.data, idx, s.device) for idx in step_indices(s, cfg, step)]
+    epoch = step // s.steps_per_epoch
+    indices = step_indices(s, cfg, step)
+    batches = [_blocks(s, cfg, ids, mask, idx, epoch) for (ids, mask, _), idx in zip(micro, indices, strict=True)]
+    denominator = sum(b.weights.sum() for b in batches).clamp(min=1e-6)
+    total, tokens = None, 0
+    for (ids, _, attn), batch in zip(micro, batches, strict=True):
+        features = s.target.capture(ids, attn)
+        with _autocast(s.device):
+            hidden = s.drafter(
+                position_ids=batch.position_ids,
+                attention_mask=dense_block_mask(batch),
+                noise_embedding=s.target.embed(batch.block_ids),
+                target_hidden=features,
+            )
+        loss, stats = dflash_loss(hidden, s.target.lm_head_weight, batch.labels, batch.weights,
+                                  block_size=batch.block_size, denominator=denominator)  # fmt: skip
+        loss.backward()
+        total = stats if total is None else total + stats
+        tokens += int(attn.sum())
+    torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), cfg.optim.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, tokens
+
+
+def step_indices(s: Setup, cfg: RunConfig, step: int) -> list[list[int]]:
+    """Sample indices of each micro-batch of `step`: a fixed function of (seed, step), whatever ran before."""
+    per_step = cfg.train.batch_size * cfg.train.grad_accum
+    epoch, offset = divmod(step, s.steps_per_epoch)
+    order = _epoch_order(s.data, epoch, cfg.train.seed)
+    chunk = order[offset * per_step : (offset + 1) * per_step]
+    b = cfg.train.batch_size
+    return [chunk[i : i + b] for i in range(0, per_step, b)]
+
+
+_ORDER_CACHE: dict = {}
+
+
+def _epoch_order(data, epoch: int, seed: int) -> list[int]:
+    key = (id(data), epoch, seed)
+    if key not in _ORDER_CACHE:
+        _ORDER_CACHE.clear()
+        _ORDER_CACHE[key] = data.epoch_order(epoch, seed)
+    return _ORDER_CACHE[key]
+
+
+def _collate(data, indices: list[int], device: torch.device):
+    """Right-padded (input_ids, loss_mask, attention_mask), each (B, T_max)."""
+    samples = [data[i] for i in indices]
+    width = max(len(ids) for ids, _ in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    mask = torch.zeros(len(samples), width, dtype=torch.bool)
+    attn = torch.zeros(len(samples), width, dtype=torch.long)
+    for row, (x, m) in enumerate(samples):
+        n = len(x)
+        ids[row, :n] = torch.tensor(x, dtype=torch.long)  # copies out of the read-only memory map
+        mask[row, :n] = torch.tensor(m, dtype=torch.bool)
+        attn[row, :n] = 1
+    return ids.to(device), mask.to(device), attn.to(device)
+
+
+def _blocks(s: Setup, cfg: RunConfig, ids, mask, indices: list[int], epoch: int):
+    anchors = [
+        sample_anchors(
+            mask[row].cpu(),
+            cfg.recipe.num_anchors,
+            s.drafter.block_size,
+            anchor_generator(cfg.train.seed, epoch, index),
+        )  # fmt: skip
+        for row, index in enumerate(indices)
+    ]
+    return build_blocks(ids, mask, anchors, s.drafter.block_size, s.drafter.mask_token_id, cfg.recipe.gamma)
+
+
+def _autocast(device: torch.device):
+    # bf16 compute on the GPU with float32 master weights; plain float32 on the CPU.
+    return (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    )
+
+
+class _Timer:
+    def __init__(self, device: torch.device):
+        self.device, self.tokens, self.start = device, 0, time.perf_counter()
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def take(self) -> tuple[int, float]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        out = (self.tokens, now - self.start)
+        self.tokens, self.start = 0, now
+        return out
+
+
+def summarize(stats, timing: tuple[int, float], s: Setup, lr: float) -> dict:
+    tokens, seconds = timing
+    acc = stats.accuracy()
+    drafted = int(stats.valid.sum())
+    flops = step_flops(s, tokens, int(stats.valid.sum()))
+    peak = PEAK_FLOPS.get(s.device.type)
+    row = {
+        "loss": float(stats.loss_sum / stats.weight_sum.clamp(min=1e-12)),
+        "sim_tau": float(stats.tau()),
+        "block_tau": float(stats.block_tau()),
+        "acc": [round(float(a), 4) for a in acc],
+        "tok_s": tokens / seconds,
+        "draft_tok_s": drafted / seconds,
+        "mfu": flops / seconds / peak if peak else None,
+        "mem_gib": torch.cuda.max_memory_allocated() / 2**30 if s.device.type == "cuda" else None,
+        "lr": lr,
+    }
+    return row
+
+
+def step_flops(s: Setup, seq_tokens: int, labelled: int) -> float:
+    """DESIGN.md's cost model: target forward up to the last captured layer, drafter fwd+bwd, LM-head loss."""
+    target_params = sum(
+        p.numel() for n, p in s.target.model.named_parameters() if "embed" not in n and "lm_head" not in n
+    )
+    drafter_params = sum(p.numel() for p in s.drafter.parameters())
+    vocab, width = s.target.lm_head_weight.shape
+    blocks_tokens = labelled * s.drafter.block_size / max(1, s.drafter.block_size - 1)
+    return 2 * target_params * seq_tokens + 6 * drafter_params * blocks_tokens + 4 * vocab * width * labelled
+
+
+def setup(cfg: RunConfig, out: Path, console) -> Setup:
+    from flashdraft.data import FormatConfig, PrepareConfig, TokenizedDataset, prepare_shards
+    from flashdraft.target import FrozenTarget, load_target
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # transformers' per-checkpoint tqdm bars would tear the rich progress bar
+    device = _device(cfg.train.device)
+    dtype = _dtype(cfg.target.dtype, device)
+    torch.manual_seed(cfg.train.seed)
+    if cfg.target.path == embedded.EMBEDDED:
+        tokenizer_path = cfg.data.tokenizer or str(embedded.tokenizer_dir())
+        model = embedded.build_target(dtype=dtype, device=device)
+        ids = cfg.drafter.target_layer_ids or _default_ids(model.config.num_hidden_layers, cfg.drafter.num_layers)
+        target = FrozenTarget.from_model(model, ids)
+    else:
+        tokenizer_path = cfg.data.tokenizer or cfg.target.path
+        target = load_target(cfg.target.path, target_layer_ids=cfg.drafter.target_layer_ids, dtype=dtype,
+                             device=device, trust_remote_code=cfg.target.trust_remote_code,
+                             attn_implementation=cfg.target.attn_implementation)  # fmt: skip
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
+    drafter = _drafter(cfg, target, tokenizer).to(device)
+    sources = embedded.train_data() if cfg.data.train == [embedded.EMBEDDED] else cfg.data.train
+    prepared = prepare_shards(
+        PrepareConfig(data=sources, tokenizer=tokenizer_path, out=cfg.data.shards or str(out / "shards"),
+                      format=FormatConfig(format=cfg.data.format, drop_thinking=cfg.data.drop_thinking),
+                      max_length=cfg.data.max_length, overlong=cfg.data.overlong, skip_bad=cfg.data.skip_bad),
+        tokenizer=tokenizer, console=console,
+    )  # fmt: skip
+    data = TokenizedDataset(prepared.path)
+    per_step = cfg.train.batch_size * cfg.train.grad_accum
+    steps_per_epoch = len(data) // per_step
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"data: {len(data)} samples, fewer than one step needs (train.batch_size x train.grad_accum = {per_step})"
+        )
+    total = steps_per_epoch * cfg.train.epochs
+    if cfg.train.max_steps is not None:
+        total = min(total, cfg.train.max_steps)
+    return Setup(device, tokenizer, target, drafter, data, steps_per_epoch, total)
+
+
+def _drafter(cfg: RunConfig, target, tokenizer) -> DFlashDraftModel:
+    if cfg.drafter.init_from:
+        drafter = DFlashDraftModel.from_pretrained(cfg.drafter.init_from)
+        if list(drafter.target_layer_ids) != list(target.target_layer_ids):
+            raise ValueError(f"drafter.init_from: its target_layer_ids {drafter.target_layer_ids} differ from the "
+                             f"target's captured layers {target.target_layer_ids}")  # fmt: skip
+        return drafter.float()
+    torch.manual_seed(cfg.train.seed)
+    return DFlashDraftModel.from_target(
+        target.config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
+        target_layer_ids=target.target_layer_ids, mask_token_id=cfg.drafter.mask_token_id, tokenizer=tokenizer,
+        **cfg.drafter.overrides,
+    ).float()  # fmt: skip
+
+
+def _default_ids(num_layers: int, n: int) -> list[int]:
+    from flashdraft.drafter.config import build_target_layer_ids
+
+    return build_target_layer_ids(num_layers, n)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device = cuda, but no CUDA device is available (use auto or cpu)")
+    return torch.device(name)
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def measure_tau(cfg: RunConfig, s: Setup, out: Path) -> float | None:
+    """τ of real speculative decoding (greedy) on held-out prompts, against the full (untruncated) target."""
+    prompts_path = cfg.data.eval_prompts
+    if prompts_path == embedded.EMBEDDED:
+        if cfg.data.train != [embedded.EMBEDDED]:
+            return None
+        prompts_path = str(embedded.eval_prompts())
+    if prompts_path is None:
+        return None
+    from flashdraft import fastpath
+    from flashdraft.spec import generate
+    from flashdraft.spec.evaluate import load_prompts
+
+    if cfg.target.path == embedded.EMBEDDED:
+        full = embedded.build_target(dtype=s.target.dtype, device=s.device)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        full = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=s.target.dtype,
+                                                    trust_remote_code=cfg.target.trust_remote_code).to(s.device)  # fmt: skip
+    fastpath.enable(full, strict=False)
+    drafter = s.drafter.eval()
+    taus = []
+    for prompt in load_prompts(prompts_path, s.tokenizer, cfg.data.eval_limit):
+        with torch.no_grad(), _autocast(s.device):
+            result = generate(full.eval(), drafter, prompt.input_ids.to(s.device), cfg.data.eval_max_new_tokens)
+        taus.append(result.tau)
+    drafter.train()
+    tau = sum(taus) / len(taus)
+    (out / "measured_tau.json").write_text(json.dumps({"tau": tau, "per_prompt": taus}))
+    return tau

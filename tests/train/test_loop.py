@@ -1,0 +1,107 @@
+"""The training loop end to end on the embedded default (CPU): outputs, exact resume, clear failures."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flashdraft import embedded
+from flashdraft.config import load_config
+from flashdraft.train import loop
+
+SHORT = ["train.max_steps=6", "log.every=1", "log.checkpoint_every=3", "data.eval_limit=1",
+         "data.eval_max_new_tokens=8"]  # fmt: skip
+
+
+def _cfg(out, *extra):
+    return load_config(embedded.ASSETS / "train.yaml", [*SHORT, f"log.out={out}", *extra])
+
+
+def _losses(out):
+    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    result = loop.train(_cfg(out))
+    return out, result
+
+
+def test_outputs_of_a_run(full_run):
+    out, result = full_run
+    assert result.steps == 6 and result.checkpoint.name == "step_00000006"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    for r in rows:
+        assert {"loss", "sim_tau", "acc", "tok_s", "draft_tok_s", "lr"} <= set(r)
+        assert r["loss"] > 0 and r["sim_tau"] >= 1 and len(r["acc"]) == 7  # block 8: positions 1..7
+    assert (out / "training_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000003", "step_00000006"]
+    assert (out / "checkpoints" / "step_00000006" / "drafter" / "model.safetensors").is_file()
+    assert result.measured_tau is not None and result.measured_tau >= 1
+    assert json.loads((out / "measured_tau.json").read_text())["tau"] == result.measured_tau
+    # The first log step starts from an untrained drafter: its loss is near log(vocab).
+    assert abs(rows[0]["loss"] - torch.log(torch.tensor(1088.0)).item()) < 1.0
+
+
+def test_resume_repeats_an_uninterrupted_run_exactly(full_run, tmp_path):
+    full, _ = full_run
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000006")  # as if killed after the step-3 checkpoint
+    loop.train(_cfg(resumed), resume=True)
+    assert _losses(resumed) == _losses(full)  # steps 1-3 kept from before, 4-6 recomputed: bit-identical
+    a = load_file(full / "checkpoints" / "step_00000006" / "drafter" / "model.safetensors")
+    b = load_file(resumed / "checkpoints" / "step_00000006" / "drafter" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        loop.train(_cfg(tmp_path / "empty"), resume=True)
+
+
+def test_non_finite_loss_stops_naming_the_last_checkpoint(tmp_path, monkeypatch):
+    real = loop.dflash_loss
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] > 4:  # after the step-3 checkpoint
+            stats.loss_sum = stats.loss_sum * float("nan")
+        return loss, stats
+
+    monkeypatch.setattr(loop, "dflash_loss", poisoned)
+    with pytest.raises(loop.TrainingError, match=r"non-finite loss at step 5; last good checkpoint: .*step_00000003"):
+        loop.train(_cfg(tmp_path / "nan"))
+
+
+def test_cli_runs_the_embedded_default_and_reports(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "flashdraft", "train", "--out", str(tmp_path / "cli"), *SHORT[:1], "data.eval_limit=1",
+         "data.eval_max_new_tokens=8"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "simulated τ" in out.stdout and "measured τ" in out.stdout and "training_curve.png" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["drafter.block_size=1"], "drafter.block_size = 1"),
+        (["train.device=cuda"] if not torch.cuda.is_available() else ["train.device=tpu"], "train.device"),
+        (["--config", "/nonexistent.yaml"], "/nonexistent.yaml"),
+    ],
+)
+def test_cli_bad_input_exit_2(tmp_path, args, message):
+    out = subprocess.run([sys.executable, "-m", "flashdraft", "train", "--out", str(tmp_path), *args],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert message in out.stderr and "Traceback" not in out.stderr
