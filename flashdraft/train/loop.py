@@ -236,10 +236,10 @@ def step_flops(s: Setup, seq_tokens: int, labelled: int) -> float:
 
 
 def setup(cfg: RunConfig, out: Path, console) -> Setup:
+    from transformers.utils import logging as hf_logging
+
     from flashdraft.data import FormatConfig, PrepareConfig, TokenizedDataset, prepare_shards
     from flashdraft.target import FrozenTarget, load_target
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # transformers' per-checkpoint tqdm bars would tear the rich progress bar
     device = _device(cfg.train.device)
