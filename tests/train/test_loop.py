@@ -45,8 +45,10 @@ def test_outputs_of_a_run(full_run):
     assert (out / "checkpoints" / "step_00000006" / "drafter" / "model.safetensors").is_file()
     assert result.measured_tau is not None and result.measured_tau >= 1
     assert json.loads((out / "measured_tau.json").read_text())["tau"] == result.measured_tau
-    # The first log step starts from an untrained drafter: its loss is near log(vocab).
-    assert abs(rows[0]["loss"] - torch.log(torch.tensor(1088.0)).item()) < 1.0
+    # The first log step starts from an untrained drafter: its loss is about log(vocab) (plus the spread of the
+    # random head's logits), never below it by much.
+    log_vocab = torch.log(torch.tensor(1088.0)).item()
+    assert log_vocab - 0.5 < rows[0]["loss"] < log_vocab + 2.5
 
 
 def test_resume_repeats_an_uninterrupted_run_exactly(full_run, tmp_path):
