@@ -100,19 +100,10 @@ def _median_ms(fn) -> float:
 
 
 def _event_us(fn, iters: int = 200, warmup: int = 20) -> float:
-    """Median of CUDA events around a single call, synchronising between calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+    """Median of CUDA events around a single call, synchronising between calls (microseconds)."""
+    from bench.timing import events_ms
+
+    return events_ms(fn, iters, warmup) * 1e3
 
 
 def _tuned_configs() -> dict:

@@ -80,6 +80,7 @@ def rollback_cost(context: int = 1024, layers: int = 16) -> dict:
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
 
     from bench.target_forward import qwen35_27b_config
+    from bench.timing import events_ms
     from flashdraft import fastpath
     from flashdraft.spec import state
 
@@ -88,7 +89,6 @@ def rollback_cost(context: int = 1024, layers: int = 16) -> dict:
         model = mq.Qwen3_5ForCausalLM(qwen35_27b_config(layers)).to(torch.bfloat16).eval()
     fastpath.enable(model, strict=True)
     ids = torch.randint(0, 248320, (1, context), device="cuda")
-    ev = lambda: torch.cuda.Event(enable_timing=True)
     res = {}
     with torch.no_grad():
         cache = state.new_cache(model)
@@ -96,20 +96,6 @@ def rollback_cost(context: int = 1024, layers: int = 16) -> dict:
         snap = state.take_snapshot(cache)
         block = torch.randint(0, 248320, (1, 16), device="cuda")
         one = block[:, :1]
-
-        def timed(fn, n=20):
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(n):
-                s, e = ev(), ev()
-                s.record()
-                fn()
-                e.record()
-                torch.cuda.synchronize()
-                times.append(s.elapsed_time(e))
-            return sorted(times)[len(times) // 2]
 
         def verify():
             model(input_ids=block, past_key_values=cache, use_cache=True)
@@ -119,10 +105,10 @@ def rollback_cost(context: int = 1024, layers: int = 16) -> dict:
             model(input_ids=one, past_key_values=cache, use_cache=True)
             state.restore(cache, snap)
 
-        res["snapshot_ms"] = timed(lambda: state.take_snapshot(cache, reuse=snap))
-        res["restore_ms"] = timed(lambda: state.restore(cache, snap))
-        res["verify16_plus_restore_ms"] = timed(verify)
-        res["decode1_plus_restore_ms"] = timed(decode)
+        res["snapshot_ms"] = events_ms(lambda: state.take_snapshot(cache, reuse=snap))
+        res["restore_ms"] = events_ms(lambda: state.restore(cache, snap))
+        res["verify16_plus_restore_ms"] = events_ms(verify)
+        res["decode1_plus_restore_ms"] = events_ms(decode)
         res["snapshot_bytes"] = sum(t.numel() * t.element_size() for d in (snap.conv, snap.recurrent)
                                     for t in d.values())  # fmt: skip
     res.update(context=context, layers=layers)

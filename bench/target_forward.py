@@ -57,24 +57,10 @@ def _fla_gdr(q, k, v, g, beta, initial_state=None, output_final_state=False, use
                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)  # fmt: skip
 
 
-def bench_ms(fn, iters: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
-
-
 def run(num_layers: int = 16, batch: int = 4, seq: int = 4096) -> list[dict]:
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
 
+    from bench.timing import events_ms
     from flashdraft import fastpath
 
     cfg = qwen35_27b_config(num_layers)
@@ -104,7 +90,7 @@ def run(num_layers: int = 16, batch: int = 4, seq: int = 4096) -> list[dict]:
             out = forward().last_hidden_state.float()
             ref = out if ref is None else ref
             err = ((out - ref).norm() / ref.norm()).item()
-            ms = bench_ms(forward, iters=3 if name == "all_torch" else 5)
+            ms = events_ms(forward, iters=3 if name == "all_torch" else 5, warmup=1)
             rows.append({"variant": name, "ms": ms, "tok_s": batch * seq / ms * 1e3, "relerr_vs_torch": err})
             print(rows[-1], flush=True)
         for n, fn in saved.items():
@@ -112,7 +98,7 @@ def run(num_layers: int = 16, batch: int = 4, seq: int = 4096) -> list[dict]:
         report = fastpath.enable(model, strict=True)
         print(report)
         out = forward().last_hidden_state.float()
-        ms = bench_ms(forward, iters=5)
+        ms = events_ms(forward, iters=5, warmup=1)
         rows.append({"variant": "flashdraft", "ms": ms, "tok_s": batch * seq / ms * 1e3,
                      "relerr_vs_torch": ((out - ref).norm() / ref.norm()).item()})  # fmt: skip
         print(rows[-1], flush=True)

@@ -25,18 +25,9 @@ def _empty_kernel(x):
 
 
 def _events_us(fn, iters=200, warmup=20):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    return sorted(times)[len(times) // 2]
+    from bench.timing import events_ms
+
+    return events_ms(fn, iters, warmup) * 1e3
 
 
 def main() -> None:
