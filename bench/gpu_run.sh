@@ -14,7 +14,8 @@ if [ -z "${SKIP_DAO:-}" ] && [ -f .whl/causal_conv1d-1.7.0.tar.gz ]; then
   DAO_PID=$!
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
-timeout ${TEST_TIMEOUT:-270} python3 -m pytest -q -p no:cacheprovider -n 6 ${TESTS:-tests/kernels tests/fastpath} 2>&1 \
+timeout ${TEST_TIMEOUT:-270} python3 -m pytest -q -rfE -p no:cacheprovider -n 6 --timeout 150 --junitxml "$OUT/junit.xml" \
+  ${TESTS:-tests/kernels tests/fastpath} 2>&1 \
   | tee "$OUT/gpu_tests.log" | tail -25
 if [ -n "${DAO_PID:-}" ]; then
   t0=$(date +%s); ( sleep ${DAO_WAIT:-200}; kill $DAO_PID 2>/dev/null ) & wait $DAO_PID; echo "Dao build exit $? (waited $(( $(date +%s) - t0 )) s more)"; tail -3 "$OUT/dao_build.log"

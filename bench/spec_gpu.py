@@ -69,7 +69,7 @@ def eval_run(out: Path, max_new_tokens: int) -> dict:
         for p in prompts:
             fh.write(json.dumps(p) + "\n")
     cmd = [sys.executable, "-m", "flashdraft", "eval", "--target", str(tdir), "--drafter", str(ddir),
-           "--prompts", str(out / "prompts.jsonl"), "--limit", "8", "--max-new-tokens", str(max_new_tokens), "--ignore-eos",
+           "--prompts", str(out / "prompts.jsonl"), "--limit", "4", "--max-new-tokens", str(max_new_tokens), "--ignore-eos",
            "--json", str(out / "eval.json"), "--plot", str(out / "eval.png"), "--no-progress"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     print(proc.stdout[-6000:], proc.stderr[-3000:], sep="\n")
@@ -118,7 +118,7 @@ def rollback_cost(context: int = 1024, layers: int = 16) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/spec_gpu")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
