@@ -41,7 +41,7 @@ def _check_supported(cache: DynamicCache) -> None:
     for idx, layer in enumerate(cache.layers):
         name = type(layer).__name__
         if name not in _KV_TYPES and name not in _LINEAR_TYPES:
-            raise NotImplementedError(
+            raise ValueError(
                 f"cache layer {idx} is a {name}; exact rollback supports {sorted(set(_KV_TYPES + _LINEAR_TYPES))} "
                 "(a sliding-window or static cache needs its own snapshot)"
             )

@@ -112,5 +112,5 @@ def test_unsupported_cache_layers_are_refused():
 
     cache = DynamicCache()
     cache.layers = [DynamicSlidingWindowLayer(sliding_window=4)]
-    with pytest.raises(NotImplementedError, match="DynamicSlidingWindowLayer"):
+    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer"):
         state.take_snapshot(cache)
