@@ -118,6 +118,9 @@ class TrainConfig:
     """torch.compile the drafter layers (single-threaded compile)."""
     device: str = "auto"
     """auto | cpu | cuda."""
+    on_nonfinite: str = "stop"
+    """A NaN/inf loss or gradient: stop (the run ends, naming the last good checkpoint) | skip (that step's update
+    is dropped, counted and reported)."""
 
 
 @dataclass(kw_only=True)
@@ -167,6 +170,7 @@ class RunConfig:
             ("train.batch_size", self.train.batch_size >= 1, "must be >= 1"),
             ("train.grad_accum", self.train.grad_accum >= 1, "must be >= 1"),
             ("train.device", self.train.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
+            ("train.on_nonfinite", self.train.on_nonfinite in ("stop", "skip"), "must be stop or skip"),
             ("target.dtype", self.target.dtype in ("auto", "bfloat16", "float16", "float32"),
              "must be auto, bfloat16, float16 or float32"),
             ("log.every", self.log.every >= 1, "must be >= 1"),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,19 +80,25 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
     metrics = MetricsLogger(out, total_steps=s.total_steps, trackers=cfg.log.trackers, config=to_dict(cfg),
                             console=console, resume_from_step=start if resume else None)  # fmt: skip
     window, last_ckpt, timer = None, checkpoints.latest() if resume else None, _Timer(s.device)
+    skipped = 0
     with metrics.progress():
         metrics.advance(start)
         for step in range(start, s.total_steps):
-            stats, tokens = train_step(s, cfg, optimizer, step)
-            if not math.isfinite(float(stats.loss_sum)):
-                raise TrainingError(f"non-finite loss at step {step + 1}; last good checkpoint: {last_ckpt or 'none'}")
+            stats, tokens, finite = train_step(s, cfg, optimizer, step)
+            if not finite:
+                if cfg.train.on_nonfinite == "stop":
+                    raise TrainingError(f"non-finite loss or gradient at step {step + 1}; nothing of it was applied. "
+                                        f"Last good checkpoint: {last_ckpt or 'none'} (resume with --resume, or set "
+                                        "train.on_nonfinite=skip)")  # fmt: skip
+                skipped += 1
+                logger.warning("step %d: non-finite loss or gradient, update skipped (%d so far)", step + 1, skipped)
             scheduler.step()
             window = stats if window is None else window + stats
             timer.add(tokens)
             metrics.advance()
             done = step + 1
             if done % cfg.log.every == 0 or done == s.total_steps:
-                metrics.log(done, summarize(window, timer.take(), s, scheduler.get_last_lr()[0]))
+                metrics.log(done, summarize(window, timer.take(), s, scheduler.get_last_lr()[0]) | {"skipped": skipped})
                 window = None
             if done % cfg.log.checkpoint_every == 0 or done == s.total_steps:
                 last_ckpt = checkpoints.save(done, s.drafter, optimizer, scheduler, {"step": done})
@@ -105,7 +110,10 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
 
 
 def train_step(s: Setup, cfg: RunConfig, optimizer, step: int):
-    """One optimizer step over `grad_accum` micro-batches; the loss is normalised over the whole step."""
+    """One optimizer step over `grad_accum` micro-batches; the loss is normalised over the whole step.
+
+    Returns (loss stats, sequence tokens, finite). A non-finite loss or gradient norm applies no update.
+    """
     micro = [_collate(s.data, idx, s.device) for idx in step_indices(s, cfg, step)]
     epoch = step // s.steps_per_epoch
     indices = step_indices(s, cfg, step)
@@ -126,10 +134,13 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int):
         loss.backward()
         total = stats if total is None else total + stats
         tokens += int(attn.sum())
-    torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), cfg.optim.grad_clip)
-    optimizer.step()
+    grad_norm = torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), cfg.optim.grad_clip)
+    # One host sync per step: applying a NaN update would poison every later step and checkpoint.
+    finite = bool(torch.isfinite(total.loss_sum) & torch.isfinite(grad_norm))
+    if finite:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total, tokens
+    return total, tokens, finite
 
 
 def step_indices(s: Setup, cfg: RunConfig, step: int) -> list[list[int]]:

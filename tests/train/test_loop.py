@@ -80,8 +80,29 @@ def test_non_finite_loss_stops_naming_the_last_checkpoint(tmp_path, monkeypatch)
         return loss, stats
 
     monkeypatch.setattr(loop, "dflash_loss", poisoned)
-    with pytest.raises(loop.TrainingError, match=r"non-finite loss at step 5; last good checkpoint: .*step_00000003"):
+    with pytest.raises(loop.TrainingError, match=r"non-finite loss or gradient at step 5.*checkpoint: .*step_00000003"):
         loop.train(_cfg(tmp_path / "nan"))
+
+
+def test_non_finite_steps_can_be_skipped_and_counted(tmp_path, monkeypatch):
+    real = loop.dflash_loss
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] in (2, 4):  # steps 2 and 4 (one micro-batch per step)
+            loss = loss * float("nan")
+            stats.loss_sum = stats.loss_sum * float("nan")
+        return loss, stats
+
+    monkeypatch.setattr(loop, "dflash_loss", poisoned)
+    out = tmp_path / "skip"
+    loop.train(_cfg(out, "train.on_nonfinite=skip"))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in rows] == [0, 1, 1, 2, 2, 2]
+    weights = load_file(out / "checkpoints" / "step_00000006" / "drafter" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())  # no NaN update was applied
 
 
 def test_cli_runs_the_embedded_default_and_reports(tmp_path):
