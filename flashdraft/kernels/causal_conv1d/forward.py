@@ -341,6 +341,9 @@ def _row_configs(vec: int) -> list[triton.Config]:
         c({"BLOCK_D": vec * 32, "SUB_L": 8, "N_SUB": 16}, num_warps=1, num_stages=1),
         c({"BLOCK_D": vec * 128, "SUB_L": 8, "N_SUB": 4}, num_warps=4, num_stages=1),
         c({"BLOCK_D": vec * 32, "SUB_L": 16, "N_SUB": 4}, num_warps=2, num_stages=1),
+        # More bytes in flight per thread than the config that won on the H200 (bench/NOTES.md, 2026-12-02).
+        c({"BLOCK_D": vec * 32, "SUB_L": 16, "N_SUB": 8}, num_warps=2, num_stages=1),
+        c({"BLOCK_D": vec * 32, "SUB_L": 16, "N_SUB": 4}, num_warps=1, num_stages=1),
     ]
 
 
