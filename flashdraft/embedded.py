@@ -14,6 +14,7 @@ import torch
 
 ASSETS = Path(__file__).resolve().parent / "assets" / "embedded"
 EMBEDDED = "embedded"
+DEFAULT_RUN = Path("runs/default")  # where `flashdraft train` (no arguments) writes; `flashdraft eval` reads it
 TARGET_LAYERS = 8
 TARGET_SEED = 1234
 INIT_RANGE = 0.2

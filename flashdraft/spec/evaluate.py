@@ -375,11 +375,22 @@ def _stop_token_ids(target, tokenizer) -> list[int]:
 
 
 def run(args) -> int:
+    from flashdraft import embedded
+
+    if not args.target and not args.drafter:
+        # The embedded default: its tiny target, the drafter `flashdraft train` wrote to runs/default, its prompts.
+        from flashdraft.train.checkpoint import CheckpointManager
+
+        latest = CheckpointManager(embedded.DEFAULT_RUN).latest()
+        if latest is None:
+            print(f"flashdraft eval: no --target/--drafter, and no embedded-default drafter in {embedded.DEFAULT_RUN} "
+                  "yet: run `flashdraft train` first, or give --target and --drafter", file=sys.stderr)  # fmt: skip
+            return EXIT_BAD_INPUT
+        args.target, args.drafter = embedded.EMBEDDED, str(latest / "drafter")
+        args.prompts = args.prompts or str(embedded.eval_prompts())
     if not args.target or not args.drafter:
         print(
-            "flashdraft eval: give --target and --drafter (model ids or directories). There is no embedded default "
-            "target + drafter yet.",
-            file=sys.stderr,
+            "flashdraft eval: give both --target and --drafter (or neither, for the embedded default)", file=sys.stderr
         )
         return EXIT_BAD_INPUT
     if not args.prompts:
@@ -398,10 +409,14 @@ def run(args) -> int:
     from flashdraft.fastpath.patch import linear_attention_layers
 
     device, dtype = _device_and_dtype(args.device, args.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=False)
+    if args.target == embedded.EMBEDDED:
+        tokenizer = embedded.load_tokenizer()
+        target = embedded.build_target(dtype=dtype, device=device).eval()
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=False)
+        target = AutoModelForCausalLM.from_pretrained(args.target, trust_remote_code=False, dtype=dtype)
+        target = target.to(device).eval()
     prompts = load_prompts(args.prompts, tokenizer, args.limit)
-    target = AutoModelForCausalLM.from_pretrained(args.target, trust_remote_code=False, dtype=dtype)
-    target = target.to(device).eval()
     if linear_attention_layers(target):
         try:
             fastpath.enable(target, strict=device.type == "cuda")

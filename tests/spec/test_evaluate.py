@@ -155,7 +155,25 @@ def test_chat_template_and_empty_file(tmp_path):
         evaluate.load_prompts(_write(tmp_path / "empty.jsonl", ["", "  "]), tokenizer)
 
 
-def test_missing_target_or_drafter_exits_2(capsys):
+def test_missing_target_or_drafter_exits_2(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no runs/default here
     args = _args("--prompts", "x.jsonl")
     assert args.run(args) == 2
-    assert "--target and --drafter" in capsys.readouterr().err
+    assert "run `flashdraft train` first" in capsys.readouterr().err
+    args = _args("--target", "somewhere", "--prompts", "x.jsonl")
+    assert args.run(args) == 2
+    assert "give both --target and --drafter" in capsys.readouterr().err
+
+
+def test_no_arguments_evaluates_the_embedded_default(tmp_path, monkeypatch):
+    from flashdraft import embedded
+    from flashdraft.config import load_config
+    from flashdraft.train.loop import train
+
+    monkeypatch.chdir(tmp_path)
+    train(load_config(embedded.ASSETS / "train.yaml", ["train.max_steps=2", "data.eval_prompts=null"]))
+    args = _args("--limit", "1", "--max-new-tokens", "6", "--json", str(tmp_path / "r.json"), "--no-progress")
+    assert args.run(args) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["target"] == "embedded" and report["drafter"].endswith("step_00000002/drafter")
+    assert report["num_prompts"] == 1 and report["tau"] >= 1
