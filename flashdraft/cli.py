@@ -3,6 +3,7 @@
     flashdraft train [--config YAML] [--out DIR] [--resume] [section.field=value ...]
     flashdraft doctor [--json] [--model tiny-family|config.json|model-dir]
     flashdraft prepare --data PATH|GLOB|s3://... --tokenizer DIR --out DIR
+    flashdraft regenerate --target DIR --data IN.jsonl --out OUT.jsonl
     flashdraft eval --target T --drafter D --prompts FILE.jsonl
     flashdraft export --drafter D --out DIR [--target T]
 
@@ -21,6 +22,7 @@ import sys
 SUBCOMMANDS = {
     "doctor": "flashdraft.cli_doctor",
     "prepare": "flashdraft.data.prepare",
+    "regenerate": "flashdraft.data.regenerate",
     "train": "flashdraft.train.cli",
     "eval": "flashdraft.spec.evaluate",
     "export": "flashdraft.export",

@@ -39,7 +39,12 @@ def load_tokenizer():
 
 
 def build_target(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """The embedded target: tiny Qwen3.5 (8 layers, hidden 64) over the embedded tokenizer's vocabulary."""
+    """The embedded target: tiny Qwen3.5 (8 layers, hidden 64) over the embedded tokenizer's vocabulary.
+
+    Its linear-attention layers already run flashdraft's device-aware fast path (unprobed; `fastpath.probe`
+    proves it): on a CPU, transformers alone would pick fla's GPU-only kernels when fla is installed.
+    """
+    from flashdraft import fastpath
     from flashdraft.tiny_configs import build_tiny_target
 
     vocab = len(load_tokenizer())
@@ -48,5 +53,7 @@ def build_target(dtype: torch.dtype = torch.float32, device: str | torch.device 
     # A wider initialisation than transformers' 0.02 gives the frozen LM head a logit range a drafter can use
     # (with 0.02 at width 64 every logit stays within ~0.2). A random 64-wide head still cannot express a token
     # distribution well: this target demonstrates the pipeline, not drafter quality (a trained one is issue 6).
-    return build_tiny_target("qwen3_5", num_layers=TARGET_LAYERS, vocab_size=padded, dtype=dtype, seed=TARGET_SEED,
-                             device=device, initializer_range=INIT_RANGE)  # fmt: skip
+    model = build_tiny_target("qwen3_5", num_layers=TARGET_LAYERS, vocab_size=padded, dtype=dtype, seed=TARGET_SEED,
+                              device=device, initializer_range=INIT_RANGE)  # fmt: skip
+    fastpath.enable(model, strict=False, run_probe=False)
+    return model

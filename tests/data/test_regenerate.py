@@ -1,0 +1,79 @@
+"""`flashdraft regenerate` on the embedded target: shapes of the output, batching, resume, bad records."""
+
+import json
+
+import pytest
+
+from flashdraft import embedded
+from flashdraft.data import DataError
+from flashdraft.data.regenerate import regenerate
+
+
+@pytest.fixture(scope="module")
+def target_and_tokenizer():
+    return embedded.build_target().eval(), embedded.load_tokenizer()
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+ROWS = [
+    {"prompt": "def add(a, b):\n    return"},
+    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "import os"},
+                  {"role": "assistant", "content": "old reply"}]},
+    {"conversations": [{"from": "human", "value": "for i in range("}, {"from": "gpt", "value": "x"}]},
+    {"prompt": "class A:\n", "response": "old"},
+    {"prompt": "while True:"},
+]  # fmt: skip
+
+
+def _read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_output_shapes_and_batching(tmp_path, target_and_tokenizer):
+    target, tok = target_and_tokenizer
+    src = _write(tmp_path / "in.jsonl", ROWS)
+    counts = regenerate(target, tok, [str(src)], tmp_path / "b.jsonl", max_new_tokens=6, batch_size=3, progress=False)
+    assert counts == {"read": 5, "written": 5, "already_done": 0}
+    rows = _read(tmp_path / "b.jsonl")
+    assert [r["_index"] for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[0]["prompt"] == ROWS[0]["prompt"] and isinstance(rows[0]["response"], str)
+    chat = rows[1]["messages"]
+    assert [m["role"] for m in chat] == ["system", "user", "assistant"] and chat[-1]["content"] != "old reply"
+    assert [m["role"] for m in rows[2]["messages"]] == ["user", "assistant"]
+    assert rows[3]["response"] != "old" and rows[3]["source"].endswith("in.jsonl:4")
+    # Greedy and left-padded batches give what one-at-a-time generation gives.
+    regenerate(target, tok, [str(src)], tmp_path / "one.jsonl", max_new_tokens=6, batch_size=1, progress=False)
+    assert _read(tmp_path / "one.jsonl") == rows
+
+
+def test_resume_skips_done_records_and_drops_a_torn_line(tmp_path, target_and_tokenizer):
+    target, tok = target_and_tokenizer
+    src = _write(tmp_path / "in.jsonl", ROWS)
+    out = tmp_path / "out.jsonl"
+    regenerate(target, tok, [str(src)], out, max_new_tokens=4, batch_size=2, limit=3, progress=False)
+    with open(out, "a") as fh:
+        fh.write('{"prompt": "half a li')  # killed mid-write
+    counts = regenerate(target, tok, [str(src)], out, max_new_tokens=4, batch_size=2, progress=False)
+    assert counts == {"read": 5, "written": 2, "already_done": 3}
+    assert [r["_index"] for r in _read(out)] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, "no user turn"),
+        ({"messages": []}, "non-empty list"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "role system/user/assistant"),
+        ({"text": "no prompt"}, "no prompt to continue"),
+        ({"other": 1}, "expected 'messages'"),
+    ],
+)
+def test_bad_records_name_file_and_line(tmp_path, target_and_tokenizer, row, message):
+    target, tok = target_and_tokenizer
+    src = _write(tmp_path / "in.jsonl", [ROWS[0], row])
+    with pytest.raises(DataError, match=rf"in.jsonl:2: .*{message}"):
+        regenerate(target, tok, [str(src)], tmp_path / "o.jsonl", max_new_tokens=2, progress=False)
