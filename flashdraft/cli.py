@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand -> module providing add_parser(subparsers) and run(args) -> int
@@ -31,7 +32,9 @@ SUBCOMMANDS = {
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or of subcommand `only` alone (its module is the only one imported: the
+    others pull in torch and transformers, seconds of start-up before a simple usage or config error)."""
     from flashdraft import __version__
 
     parser = argparse.ArgumentParser(prog="flashdraft", description="Train and evaluate DFlash drafters.")
@@ -39,16 +42,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="print full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            continue
         try:
             importlib.import_module(module).add_parser(sub)
         except ImportError as exc:  # a subcommand whose optional dependency is missing still shows up, with why
             p = sub.add_parser(name, help=f"(unavailable: {exc})")
             p.set_defaults(_unavailable=str(exc))
+    # `flashdraft train ... --debug` as well as `flashdraft --debug train ...`: the error message says "re-run with
+    # --debug", and people append it. SUPPRESS keeps a subcommand from resetting a --debug given before it.
+    for p in sub.choices.values():
+        p.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="print full tracebacks on errors"
+        )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    # No download unless asked (HF_HUB_OFFLINE=0; flashdraft.target.resolve_local_files_only): said to transformers and
+    # huggingface_hub too, before build_parser imports them (they read it once, at import). Without it they contact
+    # the Hub even for cached files (huggingface_hub 1.x fetches an agent registry to build request headers).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    parser = build_parser(words[0] if words and words[0] in SUBCOMMANDS else None)
     args = parser.parse_args(argv)
     if getattr(args, "_unavailable", None):
         print(f"flashdraft {args.command}: unavailable: {args._unavailable}", file=sys.stderr)
@@ -58,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError) as exc:
+    except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
         if args.debug:
             raise
         print(f"flashdraft {args.command}: error: {exc}", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,9 +19,18 @@ from typing import Any
 
 import yaml
 
+logger = logging.getLogger(__name__)
+
 
 class ConfigError(ValueError):
-    """A config value is unknown, of the wrong type or impossible; the message names the field and the fix."""
+    """A config value is unknown, of the wrong type or impossible; the message names the field and the fix.
+
+    `field` is the dotted field at fault when there is one (used to say whether the YAML file or an override set it).
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(kw_only=True)
@@ -81,7 +91,8 @@ class DataConfig:
 @dataclass(kw_only=True)
 class RecipeConfig:
     num_anchors: int = 512
-    """Anchor positions (blocks) sampled per sequence and epoch (paper: 512)."""
+    """Anchor positions (blocks) sampled per sequence and epoch (paper: 512). At most: a sequence with fewer response
+    positions uses all of them, so a value above data.max_length only warns (it is clamped, not an error)."""
     gamma: float | None = None
     """Loss decay over block positions, w_k = exp(-(k-1)/gamma); default by block size (16: 7, 10: 5, 8: 4)."""
 
@@ -179,10 +190,16 @@ class RunConfig:
         ]  # fmt: skip
         for name, ok, why in checks:
             if not ok:
-                raise ConfigError(f"{name} = {_get(self, name)!r}: {why}")
+                raise ConfigError(f"{name} = {_get(self, name)!r}: {why}", field=name)
         ids = self.drafter.target_layer_ids
         if ids is not None and (len(set(ids)) != len(ids) or any(i < 0 for i in ids)):
-            raise ConfigError(f"drafter.target_layer_ids = {ids}: must be distinct, non-negative layer indices")
+            raise ConfigError(f"drafter.target_layer_ids = {ids}: must be distinct, non-negative layer indices",
+                              field="drafter.target_layer_ids")  # fmt: skip
+        if self.recipe.num_anchors > self.data.max_length:
+            # Not an error: anchors are drawn per sequence from its response positions, all of them when fewer.
+            logger.warning("recipe.num_anchors = %d exceeds data.max_length = %d: every sequence will use all of its "
+                           "response positions as anchors (clamped per sequence)", self.recipe.num_anchors,
+                           self.data.max_length)  # fmt: skip
         return self
 
 
@@ -205,15 +222,17 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
                 return _check_type(value, arg, where)
             except ConfigError as exc:
                 errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {hint}")
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {hint}", field=where)
     if origin is list:
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+            # A bare string is the usual slip (data.train=a.jsonl): show the list syntax.
+            fix = f" (write {where}=[{value}])" if isinstance(value, str) else ""
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}{fix}", field=where)
         (item,) = typing.get_args(hint) or (Any,)
         return [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}", field=where)
         return dict(value)
     if hint is Any:
         return value
@@ -226,14 +245,16 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
         except ValueError:
             pass
     if hint in (int, float) and isinstance(value, bool) or not isinstance(value, hint):
-        raise ConfigError(f"{where}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{where}: expected {hint.__name__}, got {type(value).__name__} {value!r}", field=where)
     return value
 
 
 def from_dict(cls, data: dict, prefix: str = ""):
     """Build dataclass `cls` from a nested mapping; unknown keys and wrong types raise ConfigError."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
+        section = prefix.rstrip(".")
+        raise ConfigError(f"{section or 'config'}: expected a mapping of fields, got {type(data).__name__} {data!r}",
+                          field=section or None)  # fmt: skip
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -242,7 +263,7 @@ def from_dict(cls, data: dict, prefix: str = ""):
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f" (did you mean {prefix}{close[0]}?)" if close else f"; valid: {', '.join(fields)}"
-            raise ConfigError(f"unknown field {where}{hint}")
+            raise ConfigError(f"unknown field {where}{hint}", field=where)
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = from_dict(hint, value or {}, prefix=f"{where}.")
@@ -257,8 +278,18 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     for part in parents:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override {dotted}: {part} is not a section")
+            raise ConfigError(f"override {dotted}: {part} is not a section", field=dotted)
     node[leaf] = value
+
+
+def _set_by(field: str | None, overrides: dict[str, str]) -> str | None:
+    """The override (`key=value`) that set `field` or the section or field above/below it, if any."""
+    if field is None:
+        return None
+    for key, item in reversed(overrides.items()):
+        if field == key or field.startswith(f"{key}.") or field.startswith(f"{key}[") or key.startswith(f"{field}."):
+            return item
+    return None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -272,15 +303,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             tree = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(_SECTIONS)}) at the top level, "
+                              f"got a YAML {type(tree).__name__}")  # fmt: skip
+    given: dict[str, str] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected section.field=value")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({exc.problem})") from None
+        _set_dotted(tree, key, value)
+        given[key] = item
     try:
         return from_dict(RunConfig, tree).validate()
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
+        # Name where the bad value came from: the override that set it, else the YAML file.
+        item = _set_by(exc.field, given)
+        where = f"override {item}" if item is not None else str(path) if path is not None else None
+        raise ConfigError(f"{where}: {exc}" if where else str(exc), field=exc.field) from None
+
+
+_SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
 
 
 def to_dict(cfg) -> dict:

@@ -35,7 +35,10 @@ def export_drafter(
     if not (Path(drafter_dir) / "config.json").is_file():
         raise ExportError(f"--drafter {drafter_dir}: no config.json there (give a local drafter checkpoint directory)")
     config = Qwen3Config.from_pretrained(drafter_dir)
-    validate_draft_config(config)
+    try:
+        validate_draft_config(config)
+    except ValueError as err:
+        raise ExportError(f"{Path(drafter_dir) / 'config.json'}: {err}") from None
     if target is not None:
         problems = check_against_target(config, read_target_config(target))
         if problems:
@@ -55,9 +58,17 @@ def read_target_config(target: str | os.PathLike) -> dict:
         path = path / "config.json"
     if not path.is_file():
         raise ExportError(f"--target {target}: no config.json there (give a local model directory or its config.json)")
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ExportError(f"--target {path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"--target {path}: expected a JSON object, got {type(config).__name__}")
     # Multimodal targets (Qwen3.5 / 3.6) keep the language model's sizes in text_config.
-    return config.get("text_config") or config
+    text = config.get("text_config") or config
+    if not isinstance(text, dict):
+        raise ExportError(f"--target {path}: text_config must be a JSON object, got {type(text).__name__}")
+    return text
 
 
 def check_against_target(drafter_config: Qwen3Config, target: dict) -> list[str]:
@@ -65,6 +76,10 @@ def check_against_target(drafter_config: Qwen3Config, target: dict) -> list[str]
     missing = [k for k in ("hidden_size", "vocab_size", "num_hidden_layers") if k not in target]
     if missing:
         return [f"the target config has no {', '.join(missing)}"]
+    wrong = [f"{k} = {target[k]!r}" for k in ("hidden_size", "vocab_size", "num_hidden_layers")
+             if not isinstance(target[k], int) or isinstance(target[k], bool)]  # fmt: skip
+    if wrong:
+        return [f"the target config has non-integer {', '.join(wrong)}"]
     problems = []
     if drafter_config.hidden_size != target["hidden_size"]:
         problems.append(

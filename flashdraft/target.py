@@ -230,8 +230,8 @@ def load_target(
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    directory = _resolve_directory(path_or_id, resolve_local_files_only(local_files_only), trust_remote_code)
-    _check_checkpoint(directory)
+    directory = resolve_model_dir(path_or_id, local_files_only=local_files_only, trust_remote_code=trust_remote_code)
+    check_checkpoint(directory)
 
     config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     text_config = target_text_config(config)
@@ -282,41 +282,62 @@ def _has_accelerate() -> bool:
     return importlib.util.find_spec("accelerate") is not None
 
 
-def _resolve_directory(path_or_id: str | os.PathLike, local_files_only: bool, trust_remote_code: bool) -> Path:
+def is_hub_id(name: str | os.PathLike) -> bool:
+    """Whether `name` has the shape of a hub id ('org/name'); anything else can only be a local path."""
+    return bool(_HUB_ID.match(str(name)))
+
+
+def resolve_model_dir(
+    path_or_id: str | os.PathLike,
+    *,
+    what: str = "target",
+    local_files_only: bool | None = None,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    allow_patterns: Sequence[str] = ("*.json", "*.safetensors"),
+) -> Path:
+    """The local directory of a model: `path_or_id` itself, or the hub cache's snapshot of a hub id.
+
+    Nothing is downloaded unless `resolve_local_files_only(local_files_only)` allows it (by default it does not:
+    an uncached hub id is a FileNotFoundError saying how to allow the download). `what` names the model in messages;
+    `allow_patterns` are the files a download fetches (plus *.py with `trust_remote_code`).
+    """
     path = Path(path_or_id).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise NotADirectoryError(f"target {path} is a file; expected a model directory with config.json")
+            raise NotADirectoryError(f"{what} {path} is a file; expected a model directory with config.json")
         return path
     name = str(path_or_id)
-    if not _HUB_ID.match(name):
-        raise FileNotFoundError(f"target directory {name} does not exist (and is not a hub id like 'Qwen/Qwen3-8B')")
+    if not is_hub_id(name):
+        raise FileNotFoundError(f"{what} directory {name} does not exist (and is not a hub id like 'Qwen/Qwen3-8B')")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    patterns = ["*.json", "*.safetensors"] + (["*.py"] if trust_remote_code else [])
+    patterns = list(allow_patterns) + (["*.py"] if trust_remote_code else [])
     try:
-        return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=local_files_only))
+        return Path(snapshot_download(name, allow_patterns=patterns, revision=revision,
+                                      local_files_only=resolve_local_files_only(local_files_only)))  # fmt: skip
     except LocalEntryNotFoundError as err:
         raise FileNotFoundError(
-            f"target {name} is neither a local directory nor in the hub cache; to download it, pass "
-            "local_files_only=False or set HF_HUB_OFFLINE=0"
+            f"{what} {name} is neither a local directory nor in the hub cache, and downloads are off by default: "
+            "set HF_HUB_OFFLINE=0 to download it (or pass local_files_only=False)"
         ) from err
 
 
-def _check_checkpoint(directory: Path) -> None:
+def check_checkpoint(directory: Path, what: str = "target") -> None:
+    """Raise unless `directory` has a config.json and safetensors weights (pickle-only weights are refused)."""
     if not (directory / "config.json").is_file():
-        raise FileNotFoundError(f"target directory {directory} has no config.json")
+        raise FileNotFoundError(f"{what} directory {directory} has no config.json")
     if any(directory.glob("*.safetensors")):
         return
     pickled = [name for name in _PICKLE_WEIGHTS if (directory / name).exists()]
     if pickled:
         raise ValueError(
-            f"target {directory} holds only pickle weights ({', '.join(pickled)}); flashdraft loads safetensors "
+            f"{what} {directory} holds only pickle weights ({', '.join(pickled)}); flashdraft loads safetensors "
             "only, because unpickling can run arbitrary code. In an environment you trust, convert with "
             "`AutoModelForCausalLM.from_pretrained(p).save_pretrained(p)` (writes model.safetensors)"
         )
-    raise FileNotFoundError(f"target directory {directory} has no *.safetensors weights")
+    raise FileNotFoundError(f"{what} directory {directory} has no *.safetensors weights")
 
 
 @contextlib.contextmanager
@@ -332,4 +353,11 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(level)
 
 
-__all__ = ["FrozenTarget", "load_target", "resolve_local_files_only"]
+__all__ = [
+    "FrozenTarget",
+    "check_checkpoint",
+    "is_hub_id",
+    "load_target",
+    "resolve_local_files_only",
+    "resolve_model_dir",
+]

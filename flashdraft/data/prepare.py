@@ -32,6 +32,8 @@ from flashdraft.data.sources import SourceFile, iter_records, resolve_sources
 
 OVERLONG = ("truncate", "drop")
 AUTO_WORKERS_BYTES = 32 << 20
+# What a tokenizer download fetches: configs and tokenizer.json, chat templates, sentencepiece / BPE vocabularies.
+TOKENIZER_FILES = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken")
 
 
 @dataclass(kw_only=True)
@@ -88,10 +90,18 @@ class PrepareResult:
 
 
 def load_tokenizer(path: str):
+    """The tokenizer in directory `path`, or of hub id `path` from the hub cache (downloaded only with
+    HF_HUB_OFFLINE=0, as targets are: see flashdraft.target.resolve_model_dir)."""
     from transformers import AutoTokenizer
 
+    from flashdraft.target import resolve_model_dir
+
     try:
-        return AutoTokenizer.from_pretrained(path)
+        directory = resolve_model_dir(path, what="tokenizer", allow_patterns=TOKENIZER_FILES)
+    except OSError as exc:  # not a directory, not a hub id, or not cached
+        raise DataError(str(exc), skippable=False) from None
+    try:
+        return AutoTokenizer.from_pretrained(directory)
     except Exception as exc:
         raise DataError(f"cannot load a tokenizer ({type(exc).__name__}: {exc})", source=str(path),
                         skippable=False) from None  # fmt: skip

@@ -107,6 +107,7 @@ def draft_config_from_target(
         attention_bias=False,
         tie_word_embeddings=False,
     )
+    _check_override_names(overrides)
     fields.update(overrides)
     fields["num_hidden_layers"] = num_layers
     layer_types = fields.get("layer_types")
@@ -133,6 +134,22 @@ def draft_config_from_target(
         raise ValueError(f"invalid drafter config: {err.__cause__ or err}") from err
     validate_draft_config(config)
     return config
+
+
+# Read by the drafter (model.py) though Qwen3Config does not declare them, and legacy RoPE keys Qwen3Config converts.
+_EXTRA_OVERRIDES = ("is_causal", "output_multiplier", "final_logit_softcapping", "rope_theta", "rope_scaling")
+
+
+def _check_override_names(overrides: dict[str, Any]) -> None:
+    """Qwen3Config stores any keyword silently, so a misspelt override would be ignored: refuse it instead."""
+    import difflib
+
+    known = set(Qwen3Config().to_dict()) | set(_EXTRA_OVERRIDES)
+    for name in overrides:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), sorted(known), n=1)
+            hint = f"did you mean {close[0]}?" if close else "see transformers.Qwen3Config for the fields"
+            raise ValueError(f"drafter.overrides.{name}: not a Qwen3Config field of the drafter ({hint})")
 
 
 def validate_draft_config(config: PreTrainedConfig) -> None:

@@ -334,11 +334,19 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any):
-        """Load a drafter checkpoint (ours or the reference's) from safetensors only — never by unpickling."""
-        path = Path(pretrained_model_name_or_path)
+        """Load a drafter checkpoint (ours or the reference's) from safetensors only — never by unpickling.
+
+        A hub id is read from the hub cache; it is downloaded only when `local_files_only=False` or HF_HUB_OFFLINE=0
+        (see `flashdraft.target.resolve_local_files_only`). Errors name the directory or its config.json.
+        """
+        from flashdraft.target import resolve_model_dir
+
         if kwargs.get("use_safetensors") is False:
             raise ValueError("DFlashDraftModel loads safetensors only; use_safetensors=False is not supported")
-        if path.is_dir() and not any(path.glob("*.safetensors")):
+        path = resolve_model_dir(pretrained_model_name_or_path, what="drafter",
+                                 local_files_only=kwargs.pop("local_files_only", None),
+                                 revision=kwargs.pop("revision", None))  # fmt: skip
+        if not any(path.glob("*.safetensors")):
             pickled = [name for name in _PICKLE_WEIGHTS if (path / name).exists()]
             if pickled:
                 raise ValueError(
@@ -346,15 +354,25 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                     "because unpickling can run arbitrary code. In an environment you trust, convert with: "
                     "safetensors.torch.save_file(torch.load(p, weights_only=True), 'model.safetensors')"
                 )
+            raise FileNotFoundError(f"drafter directory {path} has no *.safetensors weights")
         kwargs["use_safetensors"] = True
         config = kwargs.get("config")
         if config is None:
-            hub = {k: kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token") if k in kwargs}
-            config = Qwen3Config.from_pretrained(pretrained_model_name_or_path, **hub)
+            if not (path / "config.json").is_file():
+                raise FileNotFoundError(f"drafter directory {path} has no config.json")
+            config = Qwen3Config.from_pretrained(path)
             kwargs["config"] = config
-        if "DFlash2DraftModel" in (getattr(config, "architectures", None) or []):
-            raise ValueError(f"{path} is a DFlash 2 drafter (DFlash2DraftModel), which flashdraft does not support")
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+            where = path / "config.json"
+            if "DFlash2DraftModel" in (getattr(config, "architectures", None) or []):
+                raise ValueError(f"{where}: a DFlash 2 drafter (DFlash2DraftModel), which flashdraft does not support")
+            if draft_value(config, "block_size") is None and draft_value(config, "target_layer_ids") is None:
+                raise ValueError(f"{where}: not a DFlash drafter (no block_size, no dflash_config; architectures "
+                                 f"{getattr(config, 'architectures', None)}): is this the target?")  # fmt: skip
+            try:
+                validate_draft_config(config)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+        return super().from_pretrained(path, *args, **kwargs)
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """Write `config.json` + `model.safetensors` in the reference format, atomically (see `atomic_directory`)."""

@@ -374,6 +374,20 @@ def _stop_token_ids(target, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def check_fit(drafter, target, tokenizer, drafter_name: str, target_name: str) -> None:
+    """Raise a ValueError listing every way the drafter (or the tokenizer) does not fit the target, before decoding
+    (a mismatch would otherwise surface as an IndexError or a shape error deep in a forward)."""
+    from flashdraft.drafter.config import target_text_config
+    from flashdraft.export import check_against_target
+
+    text = target_text_config(target.config)
+    problems = check_against_target(drafter.config, text.to_dict())
+    if len(tokenizer) > text.vocab_size:
+        problems.append(f"tokenizer: {len(tokenizer)} tokens, more than the target's vocab_size {text.vocab_size}")
+    if problems:
+        raise ValueError(f"drafter {drafter_name} does not fit target {target_name}:\n  " + "\n  ".join(problems))
+
+
 def run(args) -> int:
     from flashdraft import embedded
 
@@ -400,6 +414,12 @@ def run(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    if args.block_size is not None and args.block_size < 2:
+        raise ValueError(f"--block-size must be >= 2 (the anchor plus one drafted token), got {args.block_size}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if not Path(args.prompts).is_file():  # before loading the models, which can take minutes
+        raise FileNotFoundError(f"prompts file {args.prompts} does not exist")
     if args.plot:
         _require_matplotlib()  # fail before the long part
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -407,14 +427,19 @@ def run(args) -> int:
     from flashdraft import fastpath
     from flashdraft.drafter import DFlashDraftModel
     from flashdraft.fastpath.patch import linear_attention_layers
+    from flashdraft.target import check_checkpoint, resolve_model_dir
 
     device, dtype = _device_and_dtype(args.device, args.dtype)
     if args.target == embedded.EMBEDDED:
         tokenizer = embedded.load_tokenizer()
         target = embedded.build_target(dtype=dtype, device=device).eval()
     else:
-        tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=False)
-        target = AutoModelForCausalLM.from_pretrained(args.target, trust_remote_code=False, dtype=dtype)
+        # A hub id is read from the cache unless HF_HUB_OFFLINE=0 (no silent downloads); safetensors only.
+        directory = resolve_model_dir(args.target, what="target")
+        check_checkpoint(directory)
+        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+        target = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=False, dtype=dtype,
+                                                      use_safetensors=True)  # fmt: skip
         target = target.to(device).eval()
     prompts = load_prompts(args.prompts, tokenizer, args.limit)
     if linear_attention_layers(target):
@@ -426,6 +451,7 @@ def run(args) -> int:
             )
             return EXIT_CHECK_FAILED
     drafter = DFlashDraftModel.from_pretrained(args.drafter, dtype=dtype).to(device).eval()
+    check_fit(drafter, target, tokenizer, args.drafter, args.target)
     stops = [] if args.ignore_eos else _stop_token_ids(target, tokenizer)
 
     report = evaluate(

@@ -23,14 +23,18 @@ def run(args) -> int:
         for name, default, doc in describe_fields():
             console.print(f"[bold]{name}[/] = {default}\n    {doc}")
         return 0
+    import logging
+
     from flashdraft import embedded
 
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    given_out = [o.partition("=")[2] for o in args.overrides if o.partition("=")[0].strip() == "log.out"]
+    if args.out and given_out and given_out[-1] != args.out:
+        raise ValueError(f"--out {args.out} and log.out={given_out[-1]} disagree: give one of them")
     overrides = list(args.overrides) + ([f"log.out={args.out}"] if args.out else [])
     # No --config: the embedded default (a CPU-sized run), not the paper-scale defaults of the dataclasses.
     cfg = load_config(args.config or embedded.ASSETS / "train.yaml", overrides)
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    preflight(cfg, resume=args.resume)
     from flashdraft.train.loop import train
 
     result = train(cfg, resume=args.resume, console=console)
@@ -42,3 +46,38 @@ def run(args) -> int:
         soft_wrap=True,
     )
     return 0
+
+
+def preflight(cfg, resume: bool = False) -> None:
+    """Check the inputs that exist on this machine before any model loads: loading a large target takes minutes,
+    and a missing eval prompts file would otherwise surface only after training. Hub ids ('org/name') and remote
+    data are left to their loaders (which refuse uncached hub ids unless HF_HUB_OFFLINE=0)."""
+    from pathlib import Path
+
+    from flashdraft import embedded
+    from flashdraft.data.sources import resolve_sources
+    from flashdraft.target import is_hub_id
+
+    def local(value: str | None) -> Path | None:
+        if value is None or value == embedded.EMBEDDED or is_hub_id(value) and not Path(value).exists():
+            return None
+        return Path(value).expanduser()
+
+    for name, value in (("data.tokenizer", cfg.data.tokenizer), ("drafter.init_from", cfg.drafter.init_from)):
+        path = local(value)
+        if path is not None and not path.is_dir():
+            raise FileNotFoundError(f"{name} = {value}: no such directory")
+    prompts = local(cfg.data.eval_prompts)
+    if prompts is not None and not prompts.is_file():
+        raise FileNotFoundError(
+            f"data.eval_prompts = {cfg.data.eval_prompts}: no such file (null skips the measured τ)"
+        )
+    specs = [s for s in cfg.data.train if s != embedded.EMBEDDED and "://" not in s]
+    if specs:
+        resolve_sources(specs)  # a missing file or an empty glob: a DataError naming the spec
+    if resume:
+        from flashdraft.train.checkpoint import CheckpointManager
+
+        out = Path(cfg.log.out)
+        if not CheckpointManager(out).checkpoints():
+            raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'} (nothing to resume)")
