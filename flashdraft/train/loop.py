@@ -70,7 +70,7 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
     optimizer = build_optimizer(s.drafter.parameters(), cfg.optim, s.device)
     scheduler = build_scheduler(optimizer, cfg.optim, s.total_steps)
     checkpoints = CheckpointManager(out, keep=cfg.log.keep_checkpoints)
-    start = 0
+    start, latest = 0, None
     if resume:
         latest = checkpoints.latest()
         if latest is None:
@@ -79,7 +79,9 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
         logger.info("resumed from %s (step %d)", latest, start)
     metrics = MetricsLogger(out, total_steps=s.total_steps, trackers=cfg.log.trackers, config=to_dict(cfg),
                             console=console, resume_from_step=start if resume else None)  # fmt: skip
-    window, last_ckpt, timer = None, checkpoints.latest() if resume else None, _Timer(s.device)
+    # The checkpoint resumed from, not a second latest(): that would hash every checkpoint again and repeat the
+    # warning about each damaged one it skips.
+    window, last_ckpt, timer = None, latest, _Timer(s.device)
     skipped = 0
     with metrics.progress():
         metrics.advance(start)
