@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +60,28 @@ def _device_reason(*tensors: torch.Tensor) -> str:
         if t is not None and t.device.type != "cuda":
             return f"fallback: no CUDA device (tensor on {t.device.type})"
     return ""
+
+
+@functools.cache
+def fla_chunk_backward_problem() -> str:
+    """Why fla's gated chunk delta rule cannot be differentiated on this machine, or ''.
+
+    fla 0.6 refuses (raises inside backward) the gated `chunk_bwd_dqkwg` on Hopper GPUs with Triton 3.4-3.7.0,
+    which it found to give wrong gradients (fla issue #640), unless tilelang provides another backend. Forward
+    passes are unaffected, so a frozen target keeps fla; only calls that need gradients fall back.
+    """
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except Exception:  # an older or broken fla: nothing known against it here
+        return ""
+    if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and importlib.util.find_spec("tilelang") is None:
+        return ("fallback: fla refuses the gated chunk backward on Hopper with Triton < 3.7.1 (fla #640); "
+                "Triton >= 3.7.1 or tilelang lifts this")  # fmt: skip
+    return ""
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 @dataclass(frozen=True)
@@ -174,6 +197,8 @@ def make_backends(fallbacks: TorchFallbacks, conv_backend: str = "auto") -> dict
         cu_seqlens=None, **_,
     ):  # fmt: skip
         why = rule_reason(q)
+        if not why and _needs_grad(q, k, v, g, beta, initial_state):
+            why = fla_chunk_backward_problem()
         record.note(CHUNK_RULE, TORCH if why else FLA, why)
         fn = fallbacks.chunk_rule if why else fla_chunk
         kwargs = {} if why else {"cu_seqlens": cu_seqlens}

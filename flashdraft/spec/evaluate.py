@@ -333,7 +333,7 @@ def _json_safe(value):
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("eval", help="speculative decoding with a DFlash drafter: tau, acceptance, speedup")
     p.add_argument("--target", help="target model (HF id or directory)")
-    p.add_argument("--drafter", help="DFlash drafter checkpoint (HF id or directory)")
+    p.add_argument("--drafter", help="DFlash drafter checkpoint (HF id or directory), or a training run directory")
     p.add_argument("--prompts", help="JSONL of {'messages': [...]} or {'prompt': str}, optional 'category'")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--block-size", type=int, default=None, help="drafted block incl. anchor (default: drafter's)")
@@ -407,6 +407,15 @@ def run(args) -> int:
             "flashdraft eval: give both --target and --drafter (or neither, for the embedded default)", file=sys.stderr
         )
         return EXIT_BAD_INPUT
+    if (Path(args.drafter) / "checkpoints").is_dir():  # a training run's directory: its latest checkpoint
+        from flashdraft.train.checkpoint import CheckpointManager
+
+        latest = CheckpointManager(args.drafter).latest()
+        if latest is None:
+            print(f"flashdraft eval: --drafter {args.drafter} is a training run with no complete checkpoint yet",
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_BAD_INPUT
+        args.drafter = str(latest / "drafter")
     if not args.prompts:
         print("flashdraft eval: give --prompts FILE.jsonl", file=sys.stderr)
         return EXIT_BAD_INPUT
