@@ -11,7 +11,8 @@ per sequence length, 512 anchors x 16, batch 1:
   flashdraft   `flashdraft.train.loop.train_step` itself, on a `Setup` around the same model: FrozenTarget (hooks,
                truncated, `fastpath.enable`), FlexAttention block mask, chunked linear CE, compiled drafter layers,
                fp32 master weights under bf16 autocast, fused AdamW — the defaults of `train.*` on CUDA
-  --ablate     adds flashdraft with train.compile=false, and with train.attention=sdpa too (what each lever buys)
+  --ablate     adds flashdraft with train.compile=false, and with train.attention=sdpa too (what each lever buys),
+               and times the target's forward with cuDNN attention first (a lever not shipped yet)
 Each: warmup steps, then timed steps: median wall seconds per step (synchronised), sequence tokens/s, MFU of one FLOP
 count per length (DESIGN.md's cost model, printed), peak GPU memory of the timed steps, CUDA-event breakdown.
 Extra arguments `section.field=value` override flashdraft's config (e.g. train.compile=false).
@@ -158,6 +159,30 @@ def run_flashdraft(target, d, seq, device, warmup, steps, overrides, label="flas
     return {**result, "variant": label, "seq": seq, "overrides": overrides}
 
 
+def target_sdpa_backends(target, d: naive.Dims, seq: int) -> dict:
+    """A lever not shipped yet: the target's 16 full-attention layers on cuDNN attention before flash (SDPA's
+    default order). Times `FrozenTarget.capture` both ways and compares the features."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from bench.timing import events_ms
+
+    ids = torch.randint(0, d.vocab, (1, seq), device="cuda")
+    attn = torch.ones_like(ids)
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    default = target.capture(ids, attn)
+    default_ms = events_ms(lambda: target.capture(ids, attn), iters=3, warmup=1)
+    try:
+        with sdpa_kernel(order, set_priority=True):
+            cudnn = target.capture(ids, attn)
+            cudnn_ms = events_ms(lambda: target.capture(ids, attn), iters=3, warmup=1)
+        err = ((cudnn.float() - default.float()).norm() / default.float().norm()).item()
+        row = {"cudnn_first_ms": cudnn_ms, "features_relerr": err}
+    except Exception as exc:  # noqa: BLE001 - a lever that does not run here is a result, not a failure
+        row = {"cudnn_first_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    free(default)
+    return {"variant": "target sdpa backends", "seq": seq, "default_ms": default_ms, **row}
+
+
 def compare(rows: list[dict], seqs: list[int]) -> dict:
     """Per length: flashdraft vs naive, and the issue's goals (P4 at 3072, P5 at 32768)."""
     out = {}
@@ -223,6 +248,12 @@ def main() -> None:
         variants += [("flashdraft[eager]", [*args.overrides, "train.compile=false"]),
                      ("flashdraft[eager,sdpa]", [*args.overrides, "train.compile=false", "train.attention=sdpa"])]  # fmt: skip
     for seq in seqs:
+        # Each length compiles its own static graphs, as it would run alone (a training run's varying lengths get
+        # one dynamic graph after the second length instead).
+        torch._dynamo.reset()
+        if args.ablate and device == "cuda":
+            rows.append(target_sdpa_backends(target, d, seq))
+            print(rows[-1], flush=True)
         for label, overrides in variants:
             t1 = time.time()
             rows.append(run_flashdraft(target, d, seq, device, args.warmup, args.steps, overrides, label))
@@ -236,7 +267,10 @@ def main() -> None:
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=1)
     print(f"\n{json.dumps(summary)}\nwrote {args.out} ({time.time() - t0:.0f} s in all)\n")
-    print(fbench.table([r for r in rows if "error" not in r]))
+    print(fbench.table([r for r in rows if "step_s" in r]))
+    for r in rows:
+        if "step_s" not in r:
+            print(r)
 
 
 if __name__ == "__main__":
