@@ -1,4 +1,4 @@
-"""The `flashdraft` command: train | doctor | prepare | eval | export.
+"""The `flashdraft` command: train | doctor | prepare | regenerate | eval | export | bench.
 
     flashdraft train [--config YAML] [--out DIR] [--resume] [section.field=value ...]
     flashdraft doctor [--json] [--model tiny-family|config.json|model-dir]
@@ -6,6 +6,7 @@
     flashdraft regenerate --target DIR --data IN.jsonl --out OUT.jsonl
     flashdraft eval --target T --drafter D --prompts FILE.jsonl
     flashdraft export --drafter D --out DIR [--target T]
+    flashdraft bench train-step [--config YAML] [--seq N] [section.field=value ...]
 
 Exit codes: 0 success; 1 a check failed (e.g. doctor: fast path incomplete); 2 bad input or usage
 (the message names the file, line or field); 3 an unexpected internal error. A traceback is printed only
@@ -27,6 +28,7 @@ SUBCOMMANDS = {
     "train": "flashdraft.train.cli",
     "eval": "flashdraft.spec.evaluate",
     "export": "flashdraft.export",
+    "bench": "flashdraft.train.bench",
 }
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3

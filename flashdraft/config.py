@@ -125,8 +125,12 @@ class TrainConfig:
     """Micro-batches per optimizer step."""
     seed: int = 0
     """Seed of initialisation, data order and anchors."""
-    compile: bool = False
-    """torch.compile the drafter layers (single-threaded compile)."""
+    attention: str = "auto"
+    """The drafter's attention in training: flex (compiled FlexAttention with a block-sparse mask, CUDA only) | sdpa
+    (a dense boolean mask) | auto (flex on CUDA, sdpa on the CPU). Same mask, same result up to rounding."""
+    compile: bool | str = "auto"
+    """torch.compile the drafter's layers: true | false | auto (on CUDA only). The first step compiles (about a
+    minute); a new sequence length recompiles once, then shapes are dynamic."""
     device: str = "auto"
     """auto | cpu | cuda."""
     on_nonfinite: str = "stop"
@@ -182,6 +186,9 @@ class RunConfig:
             ("train.grad_accum", self.train.grad_accum >= 1, "must be >= 1"),
             ("train.device", self.train.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
             ("train.on_nonfinite", self.train.on_nonfinite in ("stop", "skip"), "must be stop or skip"),
+            ("train.attention", self.train.attention in ("auto", "flex", "sdpa"), "must be auto, flex or sdpa"),
+            ("train.compile", isinstance(self.train.compile, bool) or self.train.compile == "auto",
+             "must be auto, true or false"),
             ("target.dtype", self.target.dtype in ("auto", "bfloat16", "float16", "float32"),
              "must be auto, bfloat16, float16 or float32"),
             ("log.every", self.log.every >= 1, "must be >= 1"),

@@ -17,6 +17,7 @@ Checkpoints are in the format of the reference `dflash` package (also read by SG
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import PreTrainedConfig, Qwen3Config
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -67,16 +69,20 @@ def attend(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor | BlockMask | None,
     *,
     scale: float,
     dropout: float = 0.0,
 ) -> torch.Tensor:
     """Scaled dot-product attention, (B, H, Q, d) x (B, Hkv, K, d) → (B, H, Q, d); `mask` True = attend.
 
-    The one place the drafter calls an attention kernel: a FlexAttention `BlockMask` path for training on the
-    GPU belongs here. No causal flag: every non-bidirectional pattern arrives as an explicit mask.
+    The one place the drafter calls an attention kernel. A FlexAttention `BlockMask` (training on the GPU,
+    `recipe.flex_block_mask`) runs compiled FlexAttention, which skips the masked-out blocks and reads K/V once per
+    KV head; a boolean mask or None runs SDPA (the CPU path: FlexAttention has no backward on the CPU). No causal
+    flag: every non-bidirectional pattern arrives as an explicit mask.
     """
+    if isinstance(mask, BlockMask):
+        return _flex(query, key, value, mask, scale=scale, dropout=dropout)
     groups = query.shape[1] // key.shape[1]
     gqa = {}
     if groups > 1:
@@ -88,6 +94,33 @@ def attend(
             key = key.repeat_interleave(groups, dim=1)
             value = value.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale, **gqa)
+
+
+def _flex(query, key, value, block_mask: BlockMask, *, scale: float, dropout: float) -> torch.Tensor:
+    if dropout:
+        raise ValueError(f"FlexAttention has no attention dropout (attention_dropout = {dropout}); use the SDPA path")
+    # FlexAttention is no autocast op: q/k leave the fp32-weighted RMSNorms in fp32 while v is bf16, so cast all three
+    # to what SDPA's autocast rule would use.
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    query, key, value = (t.to(dtype) for t in (query, key, value))
+    gqa = query.shape[1] != key.shape[1]
+    # Inside a compiled region (train.compile) dynamo traces flex_attention itself; eager CUDA calls go through one
+    # compiled wrapper (eager FlexAttention materialises every score); the CPU runs it eagerly (forward only).
+    if torch.compiler.is_compiling() or device == "cpu":
+        fn = flex_attention
+    else:
+        fn = _compiled_flex()
+    with torch.autocast(device, enabled=False):
+        return fn(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention)
 
 
 def structural_mask(
@@ -143,7 +176,7 @@ class DFlashAttention(nn.Module):
         hidden_states: torch.Tensor,
         context: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | BlockMask | None = None,
         past_key_values: Cache | None = None,
     ) -> torch.Tensor:
         batch, q_len = hidden_states.shape[:2]
@@ -182,7 +215,7 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         context: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | BlockMask | None = None,
         past_key_values: Cache | None = None,
     ) -> torch.Tensor:
         # The context was normed once by hidden_norm; it bypasses input_layernorm and goes straight to k/v_proj.
@@ -264,7 +297,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     def forward(
         self,
         position_ids: torch.LongTensor,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | BlockMask | None = None,
         noise_embedding: torch.Tensor | None = None,
         target_hidden: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
@@ -276,9 +309,10 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         Args:
             position_ids: (B or 1, T + Q) positions of the new context tokens then of the block tokens.
             attention_mask: None, or a boolean mask broadcastable to (B, heads, Q, K), True = attend, where the K
-                keys are the cached context, then the T new context tokens, then the Q block tokens. When given,
-                it replaces the layers' own causal / sliding-window rule (callers fold those in themselves). None:
-                full-attention layers see everything, sliding layers use `structural_mask`.
+                keys are the cached context, then the T new context tokens, then the Q block tokens, or the same
+                pattern as a FlexAttention `BlockMask` (GPU training; see `attend`). When given, it replaces the
+                layers' own causal / sliding-window rule (callers fold those in themselves). None: full-attention
+                layers see everything, sliding layers use `structural_mask`.
             noise_embedding: (B, Q, D) block token embeddings from the target's input embedding.
             target_hidden: (B, T, n * D) context features (`select_context_features`) of the T tokens not yet
                 in the cache.

@@ -24,10 +24,10 @@ from flashdraft.drafter import DFlashDraftModel
 from flashdraft.drafter.recipe import (
     anchor_generator,
     build_blocks,
-    dense_block_mask,
     dflash_loss,
     sample_anchors,
 )
+from flashdraft.train.accel import attention_kind, compile_layers, drafter_mask
 from flashdraft.train.checkpoint import CheckpointManager
 from flashdraft.train.metrics import MetricsLogger, plot_training_curve
 from flashdraft.train.optim import build_optimizer, build_scheduler
@@ -111,38 +111,52 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
     return TrainResult(out, s.total_steps, final["loss"], final["sim_tau"], measured, last_ckpt, curve)
 
 
-def train_step(s: Setup, cfg: RunConfig, optimizer, step: int):
+def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
     """One optimizer step over `grad_accum` micro-batches; the loss is normalised over the whole step.
 
     Returns (loss stats, sequence tokens, finite). A non-finite loss or gradient norm applies no update.
+    `mark(phase)` (benchmarks: `flashdraft.train.bench`) is called as each phase has been queued: "target",
+    "drafter_fwd", "loss", "drafter_bwd" per micro-batch, then "optimizer".
     """
+    mark = mark or _no_mark
+    attention = attention_kind(cfg.train.attention, s.device)
     micro = [_collate(s.data, idx, s.device) for idx in step_indices(s, cfg, step)]
     epoch = step // s.steps_per_epoch
     indices = step_indices(s, cfg, step)
     batches = [_blocks(s, cfg, ids, mask, idx, epoch) for (ids, mask, _), idx in zip(micro, indices, strict=True)]
     denominator = sum(b.weights.sum() for b in batches).clamp(min=1e-6)
-    total, tokens = None, 0
+    # Counted before the GPU work is queued: a host sync later would stall the queue between micro-batches.
+    tokens = sum(int(attn.sum()) for _, _, attn in micro)
+    total = None
     for (ids, _, attn), batch in zip(micro, batches, strict=True):
         features = s.target.capture(ids, attn)
+        mark("target")
         with _autocast(s.device):
             hidden = s.drafter(
                 position_ids=batch.position_ids,
-                attention_mask=dense_block_mask(batch),
+                attention_mask=drafter_mask(batch, s.drafter.config, attention),
                 noise_embedding=s.target.embed(batch.block_ids),
                 target_hidden=features,
             )
+        mark("drafter_fwd")
         loss, stats = dflash_loss(hidden, s.target.lm_head_weight, batch.labels, batch.weights,
                                   block_size=batch.block_size, denominator=denominator)  # fmt: skip
+        mark("loss")
         loss.backward()
+        mark("drafter_bwd")
         total = stats if total is None else total + stats
-        tokens += int(attn.sum())
     grad_norm = torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), cfg.optim.grad_clip)
     # One host sync per step: applying a NaN update would poison every later step and checkpoint.
     finite = bool(torch.isfinite(total.loss_sum) & torch.isfinite(grad_norm))
     if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    mark("optimizer")
     return total, tokens, finite
+
+
+def _no_mark(phase: str) -> None:
+    pass
 
 
 def step_indices(s: Setup, cfg: RunConfig, step: int) -> list[list[int]]:
@@ -242,10 +256,12 @@ def step_flops(s: Setup, seq_tokens: int, labelled: int) -> float:
     target_params = sum(
         p.numel() for n, p in s.target.model.named_parameters() if "embed" not in n and "lm_head" not in n
     )
-    drafter_params = sum(p.numel() for p in s.drafter.parameters())
+    fc_params = s.drafter.fc.weight.numel()  # fc runs over the context tokens, every other weight over the blocks
+    drafter_params = sum(p.numel() for p in s.drafter.parameters()) - fc_params
     vocab, width = s.target.lm_head_weight.shape
     blocks_tokens = labelled * s.drafter.block_size / max(1, s.drafter.block_size - 1)
-    return 2 * target_params * seq_tokens + 6 * drafter_params * blocks_tokens + 4 * vocab * width * labelled
+    return (2 * target_params * seq_tokens + 6 * drafter_params * blocks_tokens + 6 * fc_params * seq_tokens
+            + 4 * vocab * width * labelled)  # fmt: skip
 
 
 def setup(cfg: RunConfig, out: Path, console) -> Setup:
@@ -272,6 +288,7 @@ def setup(cfg: RunConfig, out: Path, console) -> Setup:
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
     drafter = _drafter(cfg, target, tokenizer).to(device)
+    compile_layers(drafter, cfg.train.compile, device)
     sources = embedded.train_data() if cfg.data.train == [embedded.EMBEDDED] else cfg.data.train
     prepared = prepare_shards(
         PrepareConfig(data=sources, tokenizer=tokenizer_path, out=cfg.data.shards or str(out / "shards"),
@@ -351,7 +368,8 @@ def measure_tau(cfg: RunConfig, s: Setup, out: Path) -> float | None:
     drafter = s.drafter.eval()
     taus = []
     for prompt in load_prompts(prompts_path, s.tokenizer, cfg.data.eval_limit):
-        with torch.no_grad(), _autocast(s.device):
+        # Decoding runs the (train.compile) compiled layers eagerly: its cache and shapes change every round.
+        with torch.no_grad(), _autocast(s.device), torch.compiler.set_stance("force_eager"):
             result = generate(full.eval(), drafter, prompt.input_ids.to(s.device), cfg.data.eval_max_new_tokens)
         taus.append(result.tau)
     drafter.train()

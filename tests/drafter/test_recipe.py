@@ -468,3 +468,20 @@ def test_loss_bf16_on_gpu_never_holds_all_logits():
     (ref_grad,) = torch.autograd.grad(ref, ref_hidden)
     torch.testing.assert_close(loss.double(), ref, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(grad.double(), ref_grad, rtol=2e-2, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_compiled_chunk_math_equals_eager_on_gpu():
+    from flashdraft.drafter.recipe import _chunk_ce, _compiled_chunk_ce
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for rows in (1000, 37):  # a full chunk and a short last one (dynamic shapes)
+        logits = torch.randn(rows, 50_000, device="cuda", generator=g) * 4
+        target = torch.randint(0, 50_000, (rows, 1), device="cuda", generator=g)
+        w = torch.rand(rows, 1, device="cuda", generator=g)
+        got = _compiled_chunk_ce()(logits, target, w, torch.bfloat16)
+        want = _chunk_ce(logits, target, w, torch.bfloat16)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[2].float(), want[2].float(), rtol=1e-2, atol=1e-6)

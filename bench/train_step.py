@@ -1,0 +1,277 @@
+"""P4/P5: one DFlash training step at Qwen3.5-27B scale on one GPU — flashdraft as shipped vs the naive trainer.
+
+    python3 bench/train_step.py --seq 3072 --seq 32768 --out $OUT/train_step.json     # the H200 (~4-5 min)
+    python3 bench/train_step.py --seq 3072 --ablate                                   # + each lever switched off
+    python3 bench/train_step.py --smoke                                               # tiny, on a CPU
+
+One random Qwen3.5-27B-shaped target (bf16, built on the GPU, layers 0..61: the last captured layer is 61), then
+per sequence length, 512 anchors x 16, batch 1:
+  naive        bench/naive_train_step.py (the anchor): output_hidden_states, dense mask + SDPA, full-vocabulary
+               logits + CE, bf16 drafter, fused AdamW; target on fla's delta rule + fla's conv
+  flashdraft   `flashdraft.train.loop.train_step` itself, on a `Setup` around the same model: FrozenTarget (hooks,
+               truncated, `fastpath.enable`), FlexAttention block mask, chunked linear CE, compiled drafter layers,
+               fp32 master weights under bf16 autocast, fused AdamW — the defaults of `train.*` on CUDA
+  --ablate     adds flashdraft with train.compile=false, and with train.attention=sdpa too (what each lever buys),
+               and times the target's forward with cuDNN attention first (a lever not shipped yet)
+Each: warmup steps, then timed steps: median wall seconds per step (synchronised), sequence tokens/s, MFU of one FLOP
+count per length (DESIGN.md's cost model, printed), peak GPU memory of the timed steps, CUDA-event breakdown.
+Extra arguments `section.field=value` override flashdraft's config (e.g. train.compile=false).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import inspect
+import json
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import naive_train_step as naive  # noqa: E402
+from flashdraft.train import bench as fbench  # noqa: E402
+
+MASK_TOKEN = 248070
+
+
+def target_config(d: naive.Dims, num_layers: int, smoke: bool):
+    """The anchor's Qwen3.5-27B-shaped text config (all `num_layers`; 3 linear-attention : 1 full attention)."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    if not smoke:
+        linear = dict(linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                      linear_value_head_dim=128)  # fmt: skip
+    cfg = Qwen3_5TextConfig(vocab_size=d.vocab, hidden_size=d.hidden, intermediate_size=d.ffn,
+                            num_hidden_layers=num_layers, num_attention_heads=d.heads, num_key_value_heads=d.kv_heads,
+                            head_dim=d.head_dim, linear_conv_kernel_dim=4, **linear,
+                            layer_types=["full_attention" if i % 4 == 3 else "linear_attention"
+                                         for i in range(num_layers)])  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def build_target(d: naive.Dims, full_layers: int, device: str, dtype: torch.dtype, smoke: bool):
+    """Random weights, initialised on the device in `dtype` (no fp32 or CPU copy of 27B parameters)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    full = target_config(d, full_layers, smoke)
+    kept = copy.deepcopy(full)
+    kept.num_hidden_layers = max(d.layer_ids) + 1
+    kept.layer_types = full.layer_types[: kept.num_hidden_layers]
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = mq.Qwen3_5ForCausalLM(kept).eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(default)
+    return model, full
+
+
+def flashdraft_config(d: naive.Dims, seq: int, device: str, overrides: list[str]):
+    from flashdraft.config import load_config
+
+    return load_config(None, [
+        f"target.path=random-{d.hidden}", f"drafter.num_layers={d.drafter_layers}", f"drafter.block_size={d.block_size}",
+        f"drafter.target_layer_ids={list(d.layer_ids)}", f"drafter.mask_token_id={min(MASK_TOKEN, d.vocab - 1)}",
+        f"data.max_length={seq}", f"recipe.num_anchors={d.anchors}", "train.batch_size=1", "train.grad_accum=1",
+        f"train.device={device}", *overrides,
+    ])  # fmt: skip
+
+
+def cost_flops(model, d: naive.Dims, seq: int, cfg) -> float:
+    """One FLOP count per length for both variants: `loop.step_flops` on the target and a meta-device drafter."""
+    from flashdraft.drafter import DFlashDraftModel
+    from flashdraft.train.loop import step_flops
+
+    with torch.device("meta"):
+        drafter = DFlashDraftModel.from_target(model.config, num_layers=d.drafter_layers, block_size=d.block_size,
+                                               target_layer_ids=list(d.layer_ids),
+                                               mask_token_id=cfg.drafter.mask_token_id)  # fmt: skip
+    shim = SimpleNamespace(target=SimpleNamespace(model=model, lm_head_weight=model.lm_head.weight), drafter=drafter)
+    return step_flops(shim, seq, d.anchors * (d.block_size - 1))
+
+
+def free(*objs) -> None:
+    del objs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_naive(model, d, seq, device, dtype, warmup, steps, flops) -> dict:
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    names = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+    saved = {n: getattr(mq, n) for n in names}
+    kernels = naive.fla_kernels() if device == "cuda" else None
+    # Without fla (the CPU): transformers' own torch functions, as the anchor's fallback variant runs them.
+    mq.causal_conv1d_fn, mq.torch_chunk_gated_delta_rule = kernels or (inspect.unwrap(f) for f in saved.values())
+    variant = "naive (fla target)" if kernels is not None else "naive (torch target)"
+    torch.manual_seed(1)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # the anchor's drafter is plain bf16, weights and AdamW states alike
+    try:
+        with torch.device(device):
+            drafter = naive.Drafter(d)
+    finally:
+        torch.set_default_dtype(default)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device == "cuda")
+    generator = torch.Generator(device=device).manual_seed(2)
+    try:
+        result = fbench.measure(naive.make_step(model, drafter, optimizer, d, seq, device, generator),
+                                torch.device(device), warmup, steps)  # fmt: skip
+    except torch.cuda.OutOfMemoryError as exc:
+        result = {"error": f"OOM: {str(exc)[:160]}"}
+    finally:
+        for n, fn in saved.items():
+            setattr(mq, n, fn)
+    free(drafter, optimizer)
+    if "error" in result:
+        return {"variant": variant, "seq": seq, **result}
+    peak = fbench_peak(device)
+    return {"variant": variant, "seq": seq, **result, "seq_tokens": seq, "flops": flops, "tok_s": seq / result["step_s"],
+            "mfu": flops / result["step_s"] / peak if peak else None}  # fmt: skip
+
+
+def fbench_peak(device: str):
+    from flashdraft.train.loop import PEAK_FLOPS
+
+    return PEAK_FLOPS.get(torch.device(device).type)
+
+
+def run_flashdraft(target, d, seq, device, warmup, steps, overrides, label="flashdraft") -> dict:
+    cfg = flashdraft_config(d, seq, device, overrides)
+    s = fbench.bench_setup(cfg, target, steps=warmup + steps)
+    try:
+        result = fbench.run_train_step(s, cfg, warmup=warmup, steps=steps)
+    except torch.cuda.OutOfMemoryError as exc:
+        result = {"error": f"OOM: {str(exc)[:160]}"}
+    free(s)
+    return {**result, "variant": label, "seq": seq, "overrides": overrides}
+
+
+def target_sdpa_backends(target, d: naive.Dims, seq: int) -> dict:
+    """A lever not shipped yet: the target's 16 full-attention layers on cuDNN attention before flash (SDPA's
+    default order). Times `FrozenTarget.capture` both ways and compares the features."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from bench.timing import events_ms
+
+    ids = torch.randint(0, d.vocab, (1, seq), device="cuda")
+    attn = torch.ones_like(ids)
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    default = target.capture(ids, attn)
+    default_ms = events_ms(lambda: target.capture(ids, attn), iters=3, warmup=1)
+    try:
+        with sdpa_kernel(order, set_priority=True):
+            cudnn = target.capture(ids, attn)
+            cudnn_ms = events_ms(lambda: target.capture(ids, attn), iters=3, warmup=1)
+        err = ((cudnn.float() - default.float()).norm() / default.float().norm()).item()
+        row = {"cudnn_first_ms": cudnn_ms, "features_relerr": err}
+    except Exception as exc:  # noqa: BLE001 - a lever that does not run here is a result, not a failure
+        row = {"cudnn_first_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    free(default)
+    return {"variant": "target sdpa backends", "seq": seq, "default_ms": default_ms, **row}
+
+
+def compare(rows: list[dict], seqs: list[int]) -> dict:
+    """Per length: flashdraft vs naive, and the issue's goals (P4 at 3072, P5 at 32768)."""
+    out = {}
+    for seq in seqs:
+        a = next((r for r in rows if r["seq"] == seq and r["variant"] == "flashdraft" and "error" not in r), None)
+        b = next((r for r in rows if r["seq"] == seq and r["variant"].startswith("naive") and "error" not in r), None)
+        if a is None:
+            continue
+        c = {"mfu": a["mfu"], "step_s": a["step_s"]}
+        if b is not None:
+            c |= {"speedup_vs_naive": b["step_s"] / a["step_s"], "naive_mfu": b["mfu"],
+                  "peak_gib": a["peak_gib"], "naive_peak_gib": b["peak_gib"]}  # fmt: skip
+        if seq == 3072 and a["mfu"] is not None:
+            c["P4_met"] = a["mfu"] >= 0.55 and c.get("speedup_vs_naive", 0) >= 1.19
+        if seq == 32768 and a["mfu"] is not None and b is not None:
+            c["P5_met"] = a["mfu"] >= 0.58 and a["peak_gib"] <= b["peak_gib"]
+        out[str(seq)] = c
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, action="append", help="sequence length (repeatable); default 3072")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (flashdraft's first compiles)")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per variant")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "train_step.json"))
+    ap.add_argument("--smoke", action="store_true", help="a tiny target and drafter on the CPU (checks the script)")
+    ap.add_argument("--ablate", action="store_true", help="also flashdraft without compile, and with SDPA too")
+    ap.add_argument("--skip-naive", action="store_true")
+    ap.add_argument("overrides", nargs="*", metavar="section.field=value", help="flashdraft config overrides")
+    args = ap.parse_args()
+
+    if args.smoke:
+        d = naive.Dims(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=512, layer_ids=(1, 3, 5),
+                       block_size=4, anchors=16, drafter_layers=2)  # fmt: skip
+        seqs, full_layers, device, dtype = args.seq or [96], 8, "cpu", torch.float32
+    else:
+        d = naive.Dims()
+        seqs, full_layers, device, dtype = args.seq or [3072], 64, "cuda", torch.bfloat16
+    t0 = time.time()
+    model, full_config = build_target(d, full_layers, device, dtype, args.smoke)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"built the random target: {model.config.num_hidden_layers} of {full_layers} layers, {n_params / 1e9:.2f}B "
+          f"params, {dtype}, {device}, in {time.time() - t0:.0f} s", flush=True)  # fmt: skip
+    flops = {seq: cost_flops(model, d, seq, flashdraft_config(d, seq, device, [])) for seq in seqs}
+    for seq, f in flops.items():
+        print(f"seq {seq}: FLOPs per step (cost model, attention excluded) {f / 1e12:.2f} T = "
+              f"{f / seq / 1e9:.1f} GFLOP per sequence token", flush=True)  # fmt: skip
+
+    rows = []
+    # The naive trainer first, on the untouched model: FrozenTarget below truncates it and patches the fast path in.
+    if not args.skip_naive:
+        for seq in seqs:
+            rows.append(run_naive(model, d, seq, device, dtype, args.warmup, args.steps, flops[seq]))
+            print(fbench.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
+
+    from flashdraft.target import FrozenTarget
+
+    target = FrozenTarget(model, list(d.layer_ids), config=full_config)
+    print(f"flashdraft target fast path: {target.fastpath_report.summary()}", flush=True)
+    variants = [("flashdraft", list(args.overrides))]
+    if args.ablate:
+        variants += [("flashdraft[eager]", [*args.overrides, "train.compile=false"]),
+                     ("flashdraft[eager,sdpa]", [*args.overrides, "train.compile=false", "train.attention=sdpa"])]  # fmt: skip
+    for seq in seqs:
+        # Each length compiles its own static graphs, as it would run alone (a training run's varying lengths get
+        # one dynamic graph after the second length instead).
+        torch._dynamo.reset()
+        if args.ablate and device == "cuda":
+            rows.append(target_sdpa_backends(target, d, seq))
+            print(rows[-1], flush=True)
+        for label, overrides in variants:
+            t1 = time.time()
+            rows.append(run_flashdraft(target, d, seq, device, args.warmup, args.steps, overrides, label))
+            rows[-1]["wall_incl_compile_s"] = time.time() - t1
+            print(fbench.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
+
+    summary = compare(rows, seqs)
+    report = {"machine": fbench.machine(), "smoke": args.smoke, "flops_per_step": {str(k): v for k, v in flops.items()},
+              "results": rows, "comparison": summary, "wall_s": time.time() - t0}  # fmt: skip
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(report, fh, indent=1)
+    print(f"\n{json.dumps(summary)}\nwrote {args.out} ({time.time() - t0:.0f} s in all)\n")
+    print(fbench.table([r for r in rows if "step_s" in r]))
+    for r in rows:
+        if "step_s" not in r:
+            print(r)
+
+
+if __name__ == "__main__":
+    main()

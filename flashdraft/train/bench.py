@@ -1,0 +1,253 @@
+"""`flashdraft bench train-step`: how fast flashdraft's own training step runs on this machine.
+
+    flashdraft bench train-step --config examples/qwen3.5-27b.yaml            # the config's target and drafter
+    flashdraft bench train-step                                               # the embedded default (a CPU)
+    flashdraft bench train-step --config C.yaml --seq 8192 --steps 5 train.compile=false --json out.json
+
+It builds the target and the drafter as `flashdraft train` does and runs `loop.train_step` — the function the
+trainer runs — on synthetic sequences of `data.max_length` random tokens, all of them response tokens (so each gets
+`recipe.num_anchors` blocks, the recipe's steady state). It reports steady-state seconds per step, sequence tokens/s,
+MFU of DESIGN.md's cost model (the FLOP count is printed), peak GPU memory, and a CUDA-event breakdown: target
+forward, drafter forward, loss (LM head forward and its input gradient), drafter backward, optimizer.
+`bench/train_step.py` runs the same function beside a naive trainer on a random Qwen3.5-27B-shaped target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+PHASES = ("target", "drafter_fwd", "loss", "drafter_bwd", "optimizer")
+
+
+class SyntheticSequences:
+    """`count` sequences of `length` random token ids (seeded per index), every position a response token.
+
+    Duck-types the `TokenizedDataset` reads of the training loop: `len`, `[i]` → (ids, loss_mask), `epoch_order`.
+    """
+
+    def __init__(self, count: int, length: int, vocab_size: int, seed: int = 0) -> None:
+        self.count, self.length, self.vocab_size, self.seed = count, length, vocab_size, seed
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int):
+        ids = np.random.default_rng([self.seed, i]).integers(0, self.vocab_size, self.length, dtype=np.int64)
+        return ids, np.ones(self.length, dtype=np.uint8)
+
+    def epoch_order(self, epoch: int, seed: int, *args, **kwargs) -> list[int]:
+        return list(range(self.count))
+
+
+class PhaseTimer:
+    """`mark(phase)` callback for `train_step`: CUDA events on the GPU (no sync inside the step), wall clock on the
+    CPU. `start()` before a step, `stop()` after it → (wall seconds, {phase: ms}), phases of micro-batches summed."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.wall = time.perf_counter()
+        self.marks = [("start", self._now())]
+
+    def __call__(self, phase: str) -> None:
+        self.marks.append((phase, self._now()))
+
+    def stop(self) -> tuple[float, dict[str, float]]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self.wall
+        phases: dict[str, float] = {}
+        for (_, a), (name, b) in zip(self.marks, self.marks[1:], strict=False):
+            ms = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+            phases[name] = phases.get(name, 0.0) + ms
+        return wall, phases
+
+
+def measure(step, device: torch.device, warmup: int, steps: int) -> dict:
+    """Run `step(mark)` warmup + steps times; medians of the timed steps, peak memory of the timed steps only."""
+    timer = PhaseTimer(device)
+    walls, phases = [], []
+    for i in range(warmup + steps):
+        if i == warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        timer.start()
+        step(timer)
+        wall, ms = timer.stop()
+        if i >= warmup:
+            walls.append(wall)
+            phases.append(ms)
+    return {
+        "step_s": statistics.median(walls),
+        "steps_s": walls,
+        "phases_ms": {p: statistics.median(m.get(p, 0.0) for m in phases) for p in PHASES},
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+    }
+
+
+def bench_setup(cfg, target, *, tokenizer=None, steps: int = 8):
+    """A training `Setup` around a loaded `FrozenTarget`: the drafter as the trainer builds it (on the target's
+    device, layers compiled per `train.compile`) and `steps` steps of synthetic data of `data.max_length` tokens."""
+    from flashdraft.train import loop
+    from flashdraft.train.accel import compile_layers
+
+    device = target.device
+    with torch.device(device):  # initialised in place: no CPU copy of a multi-GB drafter
+        drafter = loop._drafter(cfg, target, tokenizer)
+    compile_layers(drafter, cfg.train.compile, device)
+    per_step = cfg.train.batch_size * cfg.train.grad_accum
+    data = SyntheticSequences(steps * per_step, cfg.data.max_length, target.lm_head_weight.shape[0], cfg.train.seed)
+    return loop.Setup(device, tokenizer, target, drafter, data, steps, steps)
+
+
+def run_train_step(s, cfg, *, warmup: int = 2, steps: int = 4) -> dict:
+    """Time `loop.train_step` on `s` (from `bench_setup`, with >= warmup + steps steps of data)."""
+    from flashdraft.train import loop
+    from flashdraft.train.accel import attention_kind, compile_enabled
+    from flashdraft.train.optim import build_optimizer
+
+    optimizer = build_optimizer(s.drafter.parameters(), cfg.optim, s.device)
+    counts = {}
+
+    def step(mark):
+        i = counts.setdefault("step", 0)
+        stats, tokens, finite = loop.train_step(s, cfg, optimizer, i % s.total_steps, mark=mark)
+        counts.update(step=i + 1, tokens=tokens, labelled=int(stats.valid.sum()), finite=finite)
+
+    result = measure(step, s.device, warmup, steps)
+    flops = loop.step_flops(s, counts["tokens"], counts["labelled"])
+    peak = loop.PEAK_FLOPS.get(s.device.type)
+    result.update(
+        variant="flashdraft",
+        attention=attention_kind(cfg.train.attention, s.device),
+        compiled=compile_enabled(cfg.train.compile, s.device),
+        seq_tokens=counts["tokens"],
+        labelled=counts["labelled"],
+        flops=flops,
+        tok_s=counts["tokens"] / result["step_s"],
+        mfu=flops / result["step_s"] / peak if peak else None,
+        finite=counts["finite"],
+    )
+    return result
+
+
+def machine() -> dict:
+    import platform
+
+    import transformers
+
+    info = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}  # fmt: skip
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def table(rows: list[dict]) -> str:
+    """One line per result: variant, seq, s/step, tok/s, MFU, peak, then the phase breakdown in ms."""
+    head = f"{'variant':22s} {'seq':>6s} {'s/step':>7s} {'tok/s':>8s} {'MFU':>6s} {'peak GiB':>8s}  " + "  ".join(
+        f"{p:>11s}" for p in PHASES
+    )
+    lines = [head]
+    for r in rows:
+        mfu = f"{r['mfu'] * 100:5.1f}%" if r.get("mfu") is not None else "    -"
+        peak = f"{r['peak_gib']:8.1f}" if r.get("peak_gib") is not None else "       -"
+        lines.append(f"{r['variant']:22s} {r['seq']:6d} {r['step_s']:7.3f} {r['tok_s']:8.0f} {mfu:>6s} {peak}  "
+                     + "  ".join(f"{r['phases_ms'][p]:11.1f}" for p in PHASES))  # fmt: skip
+    return "\n".join(lines)
+
+
+# ---- the CLI -----------------------------------------------------------------------------------------------------
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="measure speed on this machine (train-step)")
+    inner = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    t = inner.add_parser("train-step", help="time flashdraft's training step on a config's target and drafter")
+    t.add_argument("--config", default=None, help="YAML config (see examples/); default: the embedded default")
+    t.add_argument("--seq", type=int, default=None, help="sequence length in tokens (default: data.max_length)")
+    t.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
+    t.add_argument("--steps", type=int, default=4, help="timed steps")
+    t.add_argument("--json", default=None, help="also write the result as JSON to this file")
+    t.add_argument(
+        "overrides", nargs="*", metavar="section.field=value", help="dotted overrides, e.g. train.compile=false"
+    )
+    # The top-level parser adds --debug to each subcommand's parser; this one is a level further down.
+    t.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="print full tracebacks on errors")
+    t.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import logging
+
+    from flashdraft import embedded
+    from flashdraft.config import load_config
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.warmup < 0 or args.steps < 1:
+        raise ValueError(f"--warmup {args.warmup} / --steps {args.steps}: need warmup >= 0 and steps >= 1")
+    overrides = list(args.overrides) + ([f"data.max_length={args.seq}"] if args.seq is not None else [])
+    cfg = load_config(args.config or embedded.ASSETS / "train.yaml", overrides)
+    target, tokenizer = load_bench_target(cfg)
+    s = bench_setup(cfg, target, tokenizer=tokenizer, steps=args.warmup + args.steps)
+    print(f"target: {target.name_or_path or cfg.target.path}, {len(target.decoder.layers)} layers run, "
+          f"{target.dtype}, {target.device}; drafter {sum(p.numel() for p in s.drafter.parameters()) / 1e6:.1f}M "
+          f"params; seq {cfg.data.max_length} x batch {cfg.train.batch_size} x accum {cfg.train.grad_accum}, "
+          f"{cfg.recipe.num_anchors} anchors x {s.drafter.block_size}", flush=True)  # fmt: skip
+    result = run_train_step(s, cfg, warmup=args.warmup, steps=args.steps)
+    result["seq"] = cfg.data.max_length
+    print(f"FLOPs per step (DESIGN.md cost model, attention excluded): {result['flops']:.4g} = "
+          f"{result['flops'] / result['seq_tokens'] / 1e9:.4g} GFLOP per sequence token; attention "
+          f"{result['attention']}, compiled layers {result['compiled']}")  # fmt: skip
+    print(table([result]))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"machine": machine(), "results": [result]}, fh, indent=1)
+    return 0
+
+
+def load_bench_target(cfg):
+    """The config's frozen target and tokenizer, as `loop.setup` loads them."""
+    from transformers import AutoTokenizer
+
+    from flashdraft import embedded
+    from flashdraft.target import FrozenTarget, load_target
+    from flashdraft.train.loop import _default_ids, _device, _dtype
+
+    device = _device(cfg.train.device)
+    dtype = _dtype(cfg.target.dtype, device)
+    torch.manual_seed(cfg.train.seed)
+    if cfg.target.path == embedded.EMBEDDED:
+        model = embedded.build_target(dtype=dtype, device=device)
+        ids = cfg.drafter.target_layer_ids or _default_ids(model.config.num_hidden_layers, cfg.drafter.num_layers)
+        target = FrozenTarget.from_model(model, ids)
+        tokenizer_path = cfg.data.tokenizer or str(embedded.tokenizer_dir())
+    else:
+        target = load_target(cfg.target.path, target_layer_ids=cfg.drafter.target_layer_ids, dtype=dtype,
+                             device=device, trust_remote_code=cfg.target.trust_remote_code,
+                             attn_implementation=cfg.target.attn_implementation)  # fmt: skip
+        tokenizer_path = cfg.data.tokenizer or cfg.target.path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
+    return target, tokenizer
