@@ -24,7 +24,8 @@ if stage regen; then
       ${REGEN_ARGS:-}
   done
 fi
-stage drafter && t ${DRAFTER_TIMEOUT:+timeout $DRAFTER_TIMEOUT} $FD train --config examples/tiny_target/drafter.yaml log.out="$B/drafter_run" ${DRAFTER_ARGS:-}
+stage drafter && t ${DRAFTER_TIMEOUT:+timeout $DRAFTER_TIMEOUT} $FD train --config examples/tiny_target/drafter.yaml \
+  log.out="$B/drafter_run" ${DRAFTER_ARGS:-}
 if stage eval; then
   for temp in 0 1; do
     t $FD eval --target "$B/target" --drafter "$B/drafter_run" --prompts "$B/corpus/heldout_prompts.jsonl" \
