@@ -127,9 +127,10 @@ class TrainConfig:
     """Seed of initialisation, data order and anchors."""
     attention: str = "auto"
     """The drafter's attention in training: flex (compiled FlexAttention with a block-sparse mask, CUDA only) | sdpa
-    (a dense boolean mask) | auto (flex on CUDA, sdpa on the CPU). Same mask, same result up to rounding."""
+    (a dense boolean mask) | auto (sdpa until the flex path has passed its H200 test). Same mask, same result up to
+    rounding."""
     compile: bool | str = "auto"
-    """torch.compile the drafter's layers: true | false | auto (on CUDA only). The first step compiles (about a
+    """torch.compile the drafter's layers: true | false | auto (off until verified on the H200). The first step compiles (about a
     minute); a new sequence length recompiles once, then shapes are dynamic."""
     device: str = "auto"
     """auto | cpu | cuda."""

@@ -90,7 +90,7 @@ def test_load_target_reads_only_kept_layers(tmp_path, family):
     ids = torch.randint(0, 256, (1, 9), generator=g)
     hidden_states = full_reference(family, torch.float32, ids, seed=3)
 
-    target = load_target(tmp_path, target_layer_ids=[0, 2])
+    target = load_target(tmp_path, target_layer_ids=[0, 2], device="cpu")
     assert target.dtype == torch.float32 and target.device.type == "cpu"  # CPU default: fp32
     assert len(target.decoder.layers) == 3 and target.config.num_hidden_layers == LAYERS
     assert not any(name.startswith("model.layers.3.") for name, _ in target.model.named_parameters())
@@ -115,7 +115,7 @@ def test_load_target_multimodal_qwen35_checkpoint(tmp_path):
     with torch.no_grad():
         hidden_states = model.model.language_model(input_ids=ids, output_hidden_states=True).hidden_states
 
-    target = load_target(tmp_path, target_layer_ids=[1, 3])
+    target = load_target(tmp_path, target_layer_ids=[1, 3], device="cpu")
     assert type(target.model).__name__ == "Qwen3_5ForCausalLM" and len(target.decoder.layers) == 4
     assert target.config.num_hidden_layers == LAYERS
     assert not any("visual" in name for name, _ in target.model.named_parameters())
@@ -125,7 +125,7 @@ def test_load_target_multimodal_qwen35_checkpoint(tmp_path):
 
 def test_load_target_default_layer_ids(tmp_path):
     build_tiny_target("qwen3", LAYERS).save_pretrained(tmp_path)
-    target = load_target(tmp_path, num_features=3, dtype=torch.float64)
+    target = load_target(tmp_path, num_features=3, dtype=torch.float64, device="cpu")
     assert target.target_layer_ids == [1, 3, 5]  # round(1 + i * (8 - 4) / 2)
     assert target.dtype == torch.float64
 

@@ -264,9 +264,27 @@ def _run(model: torch.nn.Module, device: torch.device, num_tokens: int) -> None:
     vocab = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, num_tokens), generator=generator).to(device)
-    out = model(input_ids=ids, use_cache=True)
+    # Explicit positions: a target truncated before its first full-attention layer has a cache of linear-attention
+    # layers only, and transformers cannot ask such a cache for its length.
+    # Such a target also needs its (unused) masks given, or transformers builds a causal mask by asking the cache.
+    positions = torch.arange(num_tokens + 1, device=device)
+    masks = {} if _has_full_attention(model) else {"attention_mask": {"full_attention": None, "linear_attention": None}}
+    out = model(input_ids=ids, use_cache=True, cache_position=positions[:-1], position_ids=positions[None, :-1],
+                **masks)  # fmt: skip
     nxt = torch.randint(0, vocab, (1, 1), generator=generator).to(device)
-    model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+    model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True, cache_position=positions[-1:],
+          position_ids=positions[None, -1:], **masks)  # fmt: skip
+
+
+def _has_full_attention(model: torch.nn.Module) -> bool:
+    """Whether any decoder layer the model still holds (it may be truncated) is a full-attention layer."""
+    config = model.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return True
+    kept = next((len(m) for name, m in model.named_modules() if name.endswith("layers")
+                 and isinstance(m, torch.nn.ModuleList)), len(layer_types))  # fmt: skip
+    return "full_attention" in layer_types[:kept]
 
 
 __all__ = ["FastPathReport", "LayerUse", "OpUse", "probe", "describe", "GLOBALS", "INSTANCE"]

@@ -1,6 +1,6 @@
 """How the drafter runs in a training step: its attention path and whether its layers are compiled.
 
-    kind = attention_kind(cfg.train.attention, device)        # "flex" on CUDA, "sdpa" on the CPU (auto)
+    kind = attention_kind(cfg.train.attention, device)        # "flex" (CUDA) or "sdpa"; auto: sdpa for now
     mask = drafter_mask(batch, drafter.config, kind)           # a BlockMask, or the dense boolean mask
     compile_layers(drafter, cfg.train.compile, device)         # torch.compile each decoder layer in place
 
@@ -23,7 +23,9 @@ def attention_kind(setting: str, device: torch.device) -> str:
     if setting not in ATTENTION:
         raise ValueError(f"train.attention = {setting!r}: must be one of {', '.join(ATTENTION)}")
     if setting == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
+        # Until the FlexAttention path passes its GPU test (tests/drafter/test_flex.py: on the H200 the fp32 flex
+        # backward failed to lower, "NoValidChoicesError"), auto keeps the verified dense-mask SDPA path everywhere.
+        return "sdpa"
     if setting == "flex" and device.type != "cuda":
         raise ValueError(f"train.attention = flex needs a CUDA device (training on {device.type}): FlexAttention has "
                          "no backward on the CPU; use auto or sdpa")  # fmt: skip
@@ -51,10 +53,10 @@ def drafter_mask(batch: DraftBatch, config, kind: str):
 
 
 def compile_enabled(setting: bool | str, device: torch.device) -> bool:
-    """`train.compile` resolved for `device`: auto compiles on CUDA only (a CPU compile needs a C++ toolchain and
-    costs more than it saves at CPU sizes)."""
+    """`train.compile` resolved for `device`: auto does not compile yet (see above); a CPU compile needs a C++
+    toolchain and costs more than it saves at CPU sizes."""
     if setting == "auto":
-        return device.type == "cuda"
+        return False  # as for attention: on by default once the compiled layers have passed on the H200
     if not isinstance(setting, bool):
         raise ValueError(f"train.compile = {setting!r}: must be auto, true or false")
     return setting

@@ -162,3 +162,20 @@ def test_enable_on_gpu_is_fast_everywhere_and_close_to_torch(family):
         assert rel < 2e-2, rel
     finally:
         fastpath.disable(model)
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_probe_reaches_every_call_of_a_target_truncated_before_its_first_full_attention_layer(family, tmp_path):
+    """A target loaded only up to layer 2 holds linear-attention layers only; transformers cannot ask that cache for
+    its length, so the probe must still reach the decode-time calls (regression: found on the H200)."""
+    from flashdraft.fastpath.probe import NOT_CALLED
+    from flashdraft.target import load_target
+
+    build_tiny_target(family, num_layers=4).save_pretrained(tmp_path)
+    target = load_target(tmp_path, target_layer_ids=[0, 2], device="cpu")  # enables the fast path, not strict
+    report = fastpath.probe(target.model)
+    assert report.error == ""
+    assert len(report.layers) == 3
+    for layer in report.layers:
+        for op, use in layer.ops.items():
+            assert use.impl != NOT_CALLED, f"layer {layer.index}: {op} not reached ({use.reason})"
