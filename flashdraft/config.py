@@ -149,6 +149,9 @@ class LogConfig:
     """Write a checkpoint every N optimizer steps (and at the end)."""
     keep_checkpoints: int = 2
     """Most recent checkpoints kept."""
+    eval_every: int = 0
+    """Measure real τ (greedy speculative decoding of data.eval_prompts, data.eval_limit prompts) every N steps, as
+    `tau` in that step's metrics; a multiple of log.every. 0: only once, at the end. Loads the full target once."""
     trackers: list[str] = field(default_factory=list)
     """Optional trackers: wandb, tensorboard, trackio (used when installed)."""
 
@@ -195,6 +198,8 @@ class RunConfig:
             ("log.every", self.log.every >= 1, "must be >= 1"),
             ("log.checkpoint_every", self.log.checkpoint_every >= 1, "must be >= 1"),
             ("log.keep_checkpoints", self.log.keep_checkpoints >= 1, "must be >= 1"),
+            ("log.eval_every", self.log.eval_every >= 0 and self.log.eval_every % self.log.every == 0,
+             f"must be 0 or a multiple of log.every ({self.log.every}): τ is reported in that step's metrics"),
         ]  # fmt: skip
         for name, ok, why in checks:
             if not ok:

@@ -60,6 +60,7 @@ class Setup:
     data: object  # TokenizedDataset
     steps_per_epoch: int
     total_steps: int
+    full_target: object = None  # the untruncated target, loaded on the first real-τ measurement
 
 
 def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
@@ -100,14 +101,18 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
             metrics.advance()
             done = step + 1
             if done % cfg.log.every == 0 or done == s.total_steps:
-                metrics.log(done, summarize(window, timer.take(), s, scheduler.get_last_lr()[0]) | {"skipped": skipped})
+                row = summarize(window, timer.take(), s, scheduler.get_last_lr()[0]) | {"skipped": skipped}
+                if cfg.log.eval_every and done % cfg.log.eval_every == 0 and done < s.total_steps:
+                    row["tau"] = measure_tau(cfg, s)
+                    timer.take()  # decoding time is not training throughput
+                metrics.log(done, row)
                 window = None
             if done % cfg.log.checkpoint_every == 0 or done == s.total_steps:
                 last_ckpt = checkpoints.save(done, s.drafter, optimizer, scheduler, {"step": done})
     metrics.close()
     curve = plot_training_curve(out / "metrics.jsonl", out / "training_curve.png")
     final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()][-1]
-    measured = measure_tau(cfg, s, out)
+    measured = measure_tau(cfg, s, out / "measured_tau.json")
     return TrainResult(out, s.total_steps, final["loss"], final["sim_tau"], measured, last_ckpt, curve)
 
 
@@ -344,8 +349,11 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def measure_tau(cfg: RunConfig, s: Setup, out: Path) -> float | None:
-    """τ of real speculative decoding (greedy) on held-out prompts, against the full (untruncated) target."""
+def measure_tau(cfg: RunConfig, s: Setup, json_out: Path | None = None) -> float | None:
+    """τ of real speculative decoding (greedy) on held-out prompts, against the full (untruncated) target.
+
+    None when there are no held-out prompts. The full target is loaded once per run and kept on `s`.
+    """
     prompts_path = cfg.data.eval_prompts
     if prompts_path == embedded.EMBEDDED:
         if cfg.data.train != [embedded.EMBEDDED]:
@@ -357,22 +365,26 @@ def measure_tau(cfg: RunConfig, s: Setup, out: Path) -> float | None:
     from flashdraft.spec import generate
     from flashdraft.spec.evaluate import load_prompts
 
-    if cfg.target.path == embedded.EMBEDDED:
-        full = embedded.build_target(dtype=s.target.dtype, device=s.device)
-    else:
-        from transformers import AutoModelForCausalLM
+    if s.full_target is None:
+        if cfg.target.path == embedded.EMBEDDED:
+            full = embedded.build_target(dtype=s.target.dtype, device=s.device)
+        else:
+            from transformers import AutoModelForCausalLM
 
-        full = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=s.target.dtype,
-                                                    trust_remote_code=cfg.target.trust_remote_code).to(s.device)  # fmt: skip
-    fastpath.enable(full, strict=False)
+            full = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=s.target.dtype,
+                                                        trust_remote_code=cfg.target.trust_remote_code).to(s.device)  # fmt: skip
+        fastpath.enable(full, strict=False)
+        s.full_target = full.eval()
+    full = s.full_target
     drafter = s.drafter.eval()
     taus = []
     for prompt in load_prompts(prompts_path, s.tokenizer, cfg.data.eval_limit):
         # Decoding runs the (train.compile) compiled layers eagerly: its cache and shapes change every round.
         with torch.no_grad(), _autocast(s.device), torch.compiler.set_stance("force_eager"):
-            result = generate(full.eval(), drafter, prompt.input_ids.to(s.device), cfg.data.eval_max_new_tokens)
+            result = generate(full, drafter, prompt.input_ids.to(s.device), cfg.data.eval_max_new_tokens)
         taus.append(result.tau)
     drafter.train()
     tau = sum(taus) / len(taus)
-    (out / "measured_tau.json").write_text(json.dumps({"tau": tau, "per_prompt": taus}))
+    if json_out is not None:
+        json_out.write_text(json.dumps({"tau": tau, "per_prompt": taus}))
     return tau

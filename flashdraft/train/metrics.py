@@ -180,6 +180,8 @@ def format_line(step: int, metrics: Mapping[str, Any], total_steps: int | None =
         parts.append(f"loss {loss:.3f}")
     if (tau := get("sim_tau")) is not None:
         parts.append(f"sim_tau {tau:.2f}")
+    if (real := get("tau")) is not None:
+        parts.append(f"τ {real:.2f} (measured)")
     acc = get("acc")
     if isinstance(acc, list | tuple) and acc and acc[0] is not None:
         parts.append(f"acc@1 {acc[0]:.2f}")
@@ -456,6 +458,7 @@ def plot_training_curve(metrics_jsonl: str | os.PathLike, out_png: str | os.Path
 
     loss_steps, loss = series("loss")
     tau_steps, tau = series("sim_tau")
+    real_steps, real = series("tau")
     if not loss and not tau:
         raise ValueError(f"{metrics_jsonl}: no logged step has a loss or sim_tau to plot")
     # The Agg canvas directly, not pyplot: no global backend switch, no GUI, safe in threads.
@@ -477,7 +480,10 @@ def plot_training_curve(metrics_jsonl: str | os.PathLike, out_png: str | os.Path
     tau_ax = ax.twinx()
     if tau:
         lines += tau_ax.plot(tau_steps, tau, color="tab:orange", marker=marker, markersize=4, label="simulated tau")
-    tau_ax.set_ylabel("simulated acceptance length (tau)", color="tab:orange")
+    if real:
+        lines += tau_ax.plot(real_steps, real, color="tab:red", marker="s", markersize=5, linestyle="--",
+                             label="measured tau (decoding)")  # fmt: skip
+    tau_ax.set_ylabel("acceptance length (tau)", color="tab:orange")
     tau_ax.tick_params(axis="y", labelcolor="tab:orange")
     ax.legend(lines, [line.get_label() for line in lines], loc="center right")
     final = []

@@ -63,6 +63,23 @@ def test_resume_repeats_an_uninterrupted_run_exactly(full_run, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_periodic_real_tau_is_logged_and_leaves_training_unchanged(full_run, tmp_path):
+    full, _ = full_run
+    out = tmp_path / "periodic"
+    loop.train(_cfg(out, "log.eval_every=3"))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "tau" in r] == [3]  # the last step's τ is the final measurement
+    assert rows[2]["tau"] >= 1
+    assert _losses(out) == _losses(full)  # decoding in between draws no training randomness
+
+
+def test_eval_every_must_be_a_multiple_of_log_every(tmp_path):
+    from flashdraft.config import ConfigError
+
+    with pytest.raises(ConfigError, match="log.eval_every = 3: must be 0 or a multiple of log.every \\(2\\)"):
+        _cfg(tmp_path, "log.every=2", "log.eval_every=3")
+
+
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         loop.train(_cfg(tmp_path / "empty"), resume=True)
