@@ -9,7 +9,8 @@ continued. Output is JSONL in the same shape (`messages` ending with the new rep
 `source` ("file:line") for provenance.
 
 Resumable: each finished record is appended (flushed and fsynced) with its input index; a rerun skips what is done
-and drops a torn last line. Batched HF generation (left padding) with a progress bar. Inputs are read through
+and drops a torn last line. Batched HF generation (left padding), or vLLM / SGLang's offline engines when installed
+(`--backend`), with a progress bar. Inputs are read through
 flashdraft.data.sources, so globs and s3:// work here too.
 """
 
@@ -101,14 +102,82 @@ def _generate(model, tokenizer, texts: list[str], temperature: float, max_new_to
     return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
+BACKENDS = ("auto", "hf", "vllm", "sglang")
+
+
+class HFGenerator:
+    """Batched transformers generation (left padding), the backend that always works."""
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    def __call__(self, texts: list[str], temperature: float, max_new_tokens: int, seed: int) -> list[str]:
+        return _generate(self.model, self.tokenizer, texts, temperature, max_new_tokens, seed)
+
+
+class VLLMGenerator:
+    """vLLM's offline engine (continuous batching, paged attention): many times HF's throughput on a GPU."""
+
+    name = "vllm"
+
+    def __init__(self, target: str, trust_remote_code: bool, seed: int):
+        from vllm import LLM
+
+        self.llm = LLM(model=target, trust_remote_code=trust_remote_code, seed=seed)
+
+    def __call__(self, texts: list[str], temperature: float, max_new_tokens: int, seed: int) -> list[str]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed)
+        return [o.outputs[0].text for o in self.llm.generate(texts, params, use_tqdm=False)]
+
+
+class SGLangGenerator:
+    """SGLang's offline engine."""
+
+    name = "sglang"
+
+    def __init__(self, target: str, trust_remote_code: bool, seed: int):
+        import sglang
+
+        self.engine = sglang.Engine(model_path=target, trust_remote_code=trust_remote_code, random_seed=seed)
+
+    def __call__(self, texts: list[str], temperature: float, max_new_tokens: int, seed: int) -> list[str]:
+        params = {"temperature": temperature, "max_new_tokens": max_new_tokens, "sampling_seed": seed}
+        return [o["text"] for o in self.engine.generate(prompt=texts, sampling_params=params)]
+
+
+def choose_backend(requested: str, device: torch.device) -> str:
+    """`--backend` resolved: auto takes vLLM, then SGLang, when installed and on a GPU, else transformers."""
+    import importlib.util
+
+    if requested not in BACKENDS:
+        raise ValueError(f"--backend {requested!r}: must be one of {', '.join(BACKENDS)}")
+    installed = {name: importlib.util.find_spec(name) is not None for name in ("vllm", "sglang")}
+    if requested == "auto":
+        if device.type == "cuda":
+            return next((name for name, ok in installed.items() if ok), "hf")
+        return "hf"
+    if requested != "hf" and not installed[requested]:
+        raise ValueError(f"--backend {requested}: {requested} is not installed (pip install {requested}), or use "
+                         "--backend hf")  # fmt: skip
+    return requested
+
+
 def regenerate(target, tokenizer, data: list[str], out: str | Path, *, temperature: float = 0.0,
                max_new_tokens: int = 1024, batch_size: int = 8, limit: int | None = None, seed: int = 0,
                progress: bool = True) -> dict:  # fmt: skip
-    """Regenerate the responses of `data` with `target`; returns counts (read, written, skipped_done)."""
+    """Regenerate the responses of `data` with `target`; returns counts (read, written, skipped_done).
+
+    `target`: an HF causal LM (generated with transformers), or a generator such as VLLMGenerator.
+    """
     from rich.progress import Progress
 
     from flashdraft.data.sources import iter_records, resolve_sources
 
+    generate = HFGenerator(target, tokenizer) if isinstance(target, torch.nn.Module) else target
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _done_indices(out)
@@ -125,8 +194,7 @@ def regenerate(target, tokenizer, data: list[str], out: str | Path, *, temperatu
         task = bar.add_task("regenerate", total=len(jobs))
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start : start + batch_size]
-            replies = _generate(target, tokenizer, [_render(j, tokenizer) for j in chunk], temperature,
-                                max_new_tokens, seed + start)  # fmt: skip
+            replies = generate([_render(j, tokenizer) for j in chunk], temperature, max_new_tokens, seed + start)
             for job, reply in zip(chunk, replies, strict=True):
                 row = ({"messages": [*job.messages, {"role": "assistant", "content": reply}]} if job.kind == "chat"
                        else {"prompt": job.prompt, "response": reply})  # fmt: skip
@@ -151,6 +219,8 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="only the first N records")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="auto: vLLM, then SGLang, when installed and on a GPU; else transformers (hf)")  # fmt: skip
     p.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the target checkpoint")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=run)
@@ -169,7 +239,16 @@ def run(args) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))  # fmt: skip
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.target == embedded.EMBEDDED:
+    backend = choose_backend(args.backend, device)
+    if backend != "hf":
+        from transformers import AutoTokenizer
+
+        if args.target == embedded.EMBEDDED or not Path(args.target).is_dir():
+            raise ValueError(f"--backend {backend} needs a model directory as --target, got {args.target!r}")
+        tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code)
+        engine = {"vllm": VLLMGenerator, "sglang": SGLangGenerator}[backend]
+        model = engine(args.target, args.trust_remote_code, args.seed)
+    elif args.target == embedded.EMBEDDED:
         tokenizer, model = embedded.load_tokenizer(), embedded.build_target(dtype=dtype, device=device)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -179,10 +258,12 @@ def run(args) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype,
                                                      trust_remote_code=args.trust_remote_code).to(device)  # fmt: skip
-    fastpath.enable(model, strict=device.type == "cuda")
-    counts = regenerate(model.eval(), tokenizer, args.data, args.out, temperature=args.temperature,
+    if backend == "hf":
+        fastpath.enable(model, strict=device.type == "cuda")
+        model = model.eval()
+    counts = regenerate(model, tokenizer, args.data, args.out, temperature=args.temperature,
                         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,
                         seed=args.seed, progress=not args.no_progress)  # fmt: skip
-    Console().print(f"regenerated {counts['written']} records into {args.out} "
+    Console().print(f"regenerated {counts['written']} records with {backend} into {args.out} "
                     f"({counts['already_done']} already done, {counts['read']} read)", soft_wrap=True)  # fmt: skip
     return 0

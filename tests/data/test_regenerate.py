@@ -77,3 +77,63 @@ def test_bad_records_name_file_and_line(tmp_path, target_and_tokenizer, row, mes
     src = _write(tmp_path / "in.jsonl", [ROWS[0], row])
     with pytest.raises(DataError, match=rf"in.jsonl:2: .*{message}"):
         regenerate(target, tok, [str(src)], tmp_path / "o.jsonl", max_new_tokens=2, progress=False)
+
+
+# ---- serving-engine backends -------------------------------------------------------------------------------------
+
+
+def _fake_vllm(monkeypatch, calls):
+    """A stand-in `vllm` module with the offline API flashdraft uses: LLM(model, ...).generate(texts, params)."""
+    import sys
+    import types
+
+    class SamplingParams:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    class LLM:
+        def __init__(self, **kwargs):
+            calls.append(("init", kwargs))
+
+        def generate(self, texts, params, use_tqdm=True):
+            calls.append(("generate", list(texts), params.kwargs))
+            completion = types.SimpleNamespace
+            return [completion(outputs=[completion(text=f"<reply to {len(t)} chars>")]) for t in texts]
+
+    module = types.ModuleType("vllm")
+    module.LLM, module.SamplingParams = LLM, SamplingParams
+    module.__spec__ = types.SimpleNamespace(name="vllm")
+    monkeypatch.setitem(sys.modules, "vllm", module)
+
+
+def test_vllm_backend_is_driven_through_its_offline_api(tmp_path, monkeypatch):
+    import torch
+
+    from flashdraft.data.regenerate import VLLMGenerator, choose_backend
+
+    calls = []
+    _fake_vllm(monkeypatch, calls)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object() if name == "vllm" else None)
+    assert choose_backend("auto", torch.device("cuda")) == "vllm"
+    assert choose_backend("auto", torch.device("cpu")) == "hf"  # serving engines are GPU programs
+    src = _write(tmp_path / "in.jsonl", ROWS[:1] + ROWS[3:])
+    generator = VLLMGenerator("/models/target", trust_remote_code=False, seed=7)
+    counts = regenerate(generator, embedded.load_tokenizer(), [str(src)], tmp_path / "o.jsonl", temperature=0.7,
+                        max_new_tokens=5, batch_size=2, progress=False)  # fmt: skip
+    assert counts["written"] == 3
+    assert calls[0] == ("init", {"model": "/models/target", "trust_remote_code": False, "seed": 7})
+    assert [c[1] for c in calls[1:]] == [[ROWS[0]["prompt"], ROWS[3]["prompt"]], [ROWS[4]["prompt"]]]
+    assert calls[1][2] == {"temperature": 0.7, "max_tokens": 5, "seed": 0} and calls[2][2]["seed"] == 2
+    rows = _read(tmp_path / "o.jsonl")
+    assert [r["response"] for r in rows] == [f"<reply to {len(ROWS[i]['prompt'])} chars>" for i in (0, 3, 4)]
+
+
+def test_missing_engine_is_a_clear_error(monkeypatch):
+    import torch
+
+    from flashdraft.data.regenerate import choose_backend
+
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    with pytest.raises(ValueError, match="--backend sglang: sglang is not installed"):
+        choose_backend("sglang", torch.device("cuda"))
+    assert choose_backend("auto", torch.device("cuda")) == "hf"
