@@ -19,7 +19,8 @@ from flashdraft.train import loop
 
 ROOT = Path(__file__).resolve().parents[1]
 # batch_size 1: the online trainer then captures each sequence alone, exactly as the features command does.
-RUN = ["train.max_steps=3", "log.every=1", "log.checkpoint_every=3", "data.eval_prompts=null", "train.batch_size=1"]
+RUN = ["train.max_steps=3", "log.every=1", "log.checkpoint_every=3", "data.eval_prompts=null", "train.batch_size=1",
+       "train.device=cpu"]
 
 
 @pytest.fixture(scope="module")

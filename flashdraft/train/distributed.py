@@ -91,6 +91,9 @@ def session(device: str = "auto", command: str = "train") -> Iterator[World]:
     if use_cuda:
         if not torch.cuda.is_available():
             raise ValueError("train.device = cuda, but no CUDA device is available (use auto or cpu)")
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): start "
+                             "at most one process per GPU (--nproc / --nproc-per-node), or set train.device=cpu")  # fmt: skip
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     else:
@@ -318,6 +321,11 @@ def shard_target(model: torch.nn.Module, device: torch.device) -> None:
     mesh = init_device_mesh(device.type, (world().size,))
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)  # moves its shard to the mesh's device
+    params = [p for layer in layers for p in layer.parameters()]
+    local = sum(p.to_local().numel() * p.element_size() for p in params)
+    full = sum(p.numel() * p.element_size() for p in params)
+    logger.info("target: %d decoder layers sharded over %d ranks: %.1f of %.1f MiB of their weights per rank",
+                len(layers), world().size, local / 2**20, full / 2**20)  # fmt: skip
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:

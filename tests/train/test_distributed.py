@@ -31,7 +31,8 @@ from flashdraft.train.optim import build_optimizer, build_scheduler
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 # 4 steps, a checkpoint every 2; no measured τ (decoding is rank 0's alone and tested elsewhere).
-RUN = ["train.max_steps=4", "log.every=1", "log.checkpoint_every=2", "data.eval_prompts=null", "train.batch_size=2"]
+RUN = ["train.max_steps=4", "log.every=1", "log.checkpoint_every=2", "data.eval_prompts=null", "train.batch_size=2",
+       "train.device=cpu"]  # gloo on the CPU even where a GPU is visible (2 ranks cannot share one with NCCL)
 # The sums of a step run in another order (gradients accumulated in .grad vs reduce-scattered, stats all-reduced):
 # last-bit differences, which Adam can enlarge a little over the steps. A wrong split of the data or of the loss,
 # or averaged instead of summed gradients, differs by far more (percent).
@@ -143,6 +144,13 @@ def test_one_process_checkpoint_resumes_on_two(one_proc, tmp_path):
     b = load_file(resumed / "checkpoints" / "step_00000004" / "drafter" / "model.safetensors")
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_a_sharded_target_gives_the_losses_of_one_process(one_proc, tmp_path):
+    run = torchrun(["train", "--out", str(tmp_path / "run"), *RUN, "target.shard=true"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "target: 6 decoder layers sharded over 2 ranks" in run.stdout + run.stderr
+    assert _losses(tmp_path / "run") == pytest.approx(_losses(one_proc), rel=RTOL)
 
 
 # ---- errors ---------------------------------------------------------------------------------------------------
