@@ -1,6 +1,7 @@
-"""The `flashdraft` command: train | doctor | prepare | regenerate | eval | export | bench.
+"""The `flashdraft` command: train | features | doctor | prepare | regenerate | eval | export | bench.
 
-    flashdraft train [--config YAML] [--out DIR] [--resume] [section.field=value ...]
+    flashdraft train [--config YAML] [--out DIR] [--resume] [--nproc N] [section.field=value ...]
+    flashdraft features [--config YAML] [--out DIR|s3://...] [--nproc N] [section.field=value ...]
     flashdraft doctor [--json] [--model tiny-family|config.json|model-dir]
     flashdraft prepare --data PATH|GLOB|s3://... --tokenizer DIR --out DIR
     flashdraft regenerate --target DIR --data IN.jsonl --out OUT.jsonl
@@ -26,6 +27,7 @@ SUBCOMMANDS = {
     "prepare": "flashdraft.data.prepare",
     "regenerate": "flashdraft.data.regenerate",
     "train": "flashdraft.train.cli",
+    "features": "flashdraft.features",
     "eval": "flashdraft.spec.evaluate",
     "export": "flashdraft.export",
     "bench": "flashdraft.train.bench",
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_unavailable", None):
         print(f"flashdraft {args.command}: unavailable: {args._unavailable}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    # Under torchrun every rank has its own stderr stream in the job's output: say which rank a message is from.
+    where = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else ""
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
@@ -79,12 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
         if args.debug:
             raise
-        print(f"flashdraft {args.command}: error: {exc}", file=sys.stderr)
+        print(f"flashdraft {args.command}{where}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception as exc:
         if args.debug:
             raise
-        print(f"flashdraft {args.command}: internal error: {type(exc).__name__}: {exc}\n(re-run with --debug for the traceback)",
+        print(f"flashdraft {args.command}{where}: internal error: {type(exc).__name__}: {exc}\n(re-run with --debug for the traceback)",
               file=sys.stderr)  # fmt: skip
         return EXIT_INTERNAL
 

@@ -43,6 +43,10 @@ class TargetConfig:
     """Run code shipped with the target checkpoint. Off unless you trust its author."""
     attn_implementation: str = "sdpa"
     """transformers attention implementation of the target."""
+    shard: bool = False
+    """Under torchrun: shard the target's decoder layers over the ranks with FSDP2 (each GPU holds 1/N of them and
+    gathers one layer at a time) instead of a whole copy per GPU; for targets that do not fit one GPU. The target
+    then loads into CPU memory first."""
 
 
 @dataclass(kw_only=True)
@@ -79,6 +83,9 @@ class DataConfig:
     """Remove <think> content from assistant turns before templating."""
     shards: str | None = None
     """Where tokenised shards are written once and reused; default: OUT/shards."""
+    features: str | None = None
+    """Offline training: a directory (local or s3://) of target features written by `flashdraft features`; train
+    reads them instead of running the target (which is then not loaded). Null: online (the target runs)."""
     eval_prompts: str | None = "embedded"
     """JSONL of held-out prompts ({"prompt"} or {"messages"}) for the measured τ at the end of training; "embedded"
     uses the package's prompts when training on the embedded data; null skips it."""
@@ -122,7 +129,8 @@ class TrainConfig:
     batch_size: int = 1
     """Sequences per micro-batch per rank."""
     grad_accum: int = 1
-    """Micro-batches per optimizer step."""
+    """Micro-batches per optimizer step and rank. One step takes batch_size x grad_accum x ranks sequences: to
+    repeat a run on twice the GPUs, halve grad_accum."""
     seed: int = 0
     """Seed of initialisation, data order and anchors."""
     attention: str = "auto"

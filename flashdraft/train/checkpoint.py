@@ -21,11 +21,22 @@ the commit; afterwards `OUT/checkpoints/latest` (a one-line file naming the newe
 people) is replaced atomically and checkpoints beyond `keep` are deleted. `latest()` does not trust the pointer: it
 verifies checkpoints newest first and falls back, with a warning, past any that is partial or corrupt.
 
-Call `save` on one process only (rank 0): it stores replicated state (single device or DDP), not sharded state.
+Under torchrun (a process group is initialised) `save` and `load` are collective — every rank calls them — and
+the optimizer and model state go through torch.distributed.checkpoint instead of optimizer.pt:
+
+    sharded/             DCP: each rank writes its shards of {"model", "optimizer"} (FSDP2 DTensors), rank 0
+                         .metadata; loading re-shards, so a checkpoint of N ranks resumes on M (or on one process)
+    drafter/ scheduler.pt rng.pt trainer_state.json   rank 0 (drafter/ from the gathered full weights, so the
+                         exported drafter is the same bytes whichever N wrote it; rng.pt is rank 0's RNG)
+
+Rank 0 still builds the checkpoint in a `.tmp-` directory, writes the manifest over every rank's files and renames
+it: the same atomicity and damaged-checkpoint skipping (OUT must be one shared filesystem for all nodes). A
+one-process checkpoint resumes under torchrun too (its optimizer.pt is loaded whole and sharded).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -50,6 +61,9 @@ MANIFEST = "MANIFEST.json"
 POINTER = "latest"
 TMP_PREFIX = ".tmp-"
 REQUIRED_FILES = ("drafter/config.json", "optimizer.pt", "scheduler.pt", "rng.pt", "trainer_state.json")
+SHARDED = "sharded"
+# A checkpoint written under torchrun has its optimizer state in DCP's sharded files instead of optimizer.pt.
+SHARDED_INSTEAD = {"optimizer.pt": f"{SHARDED}/.metadata"}
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _HASH_CHUNK = 8 << 20
 
@@ -102,6 +116,8 @@ class CheckpointManager:
         # First, before anything else can draw a random number.
         rng = capture_rng_state(generators)
         state_json = _trainer_state_json(step, trainer_state)
+        if _distributed():
+            return self._save_sharded(step, drafter, optimizer, scheduler, rng, state_json)
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_stale_tmp()
         final = self.path_for(step)
@@ -123,6 +139,50 @@ class CheckpointManager:
         self._write_pointer(final.name)
         self._prune(step)
         logger.info("checkpoint %s written", final)
+        return final
+
+    def _save_sharded(self, step: int, drafter: nn.Module, optimizer, scheduler, rng: dict, state_json: str) -> Path:
+        """`save` under torchrun: every rank writes its DCP shards into rank 0's temporary directory, then rank 0
+        adds the replicated files, the manifest, and publishes the directory as in one process."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+        main = dist.get_rank() == 0
+        final = self.path_for(step)
+        # Collective (an all-gather of every shard); only rank 0 keeps the result, in CPU memory.
+        full = get_model_state_dict(drafter, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        tmp = None
+        if main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_tmp()
+            tmp = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=self.root)
+        box = [tmp]
+        dist.broadcast_object_list(box, src=0)
+        tmp = Path(box[0])
+        try:
+            model_state, optim_state = get_state_dict(drafter, optimizer)
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp / SHARDED)
+            if main:
+                _save_plain_drafter(drafter, full, tmp / "drafter")
+                _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
+                _torch_save(rng, tmp / "rng.pt")
+                _write_text(tmp / "trainer_state.json", state_json)
+                files = _hash_files(tmp, sorted(_relative_files(tmp)))
+                manifest = {"format": FORMAT_VERSION, "step": step, "ranks": dist.get_world_size(), "files": files}
+                _write_text(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+                _fsync_tree(tmp)
+                self._install(tmp, final)
+        except BaseException:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        # Nobody goes on (and e.g. saves again, or resumes from it) before the checkpoint is published.
+        dist.barrier()
+        if main:
+            self._write_pointer(final.name)
+            self._prune(step)
+            logger.info("checkpoint %s written", final)
         return final
 
     def _install(self, tmp: Path, final: Path) -> None:
@@ -179,7 +239,19 @@ class CheckpointManager:
     # ---- reading ---------------------------------------------------------------------------------------------
 
     def latest(self) -> Path | None:
-        """The newest checkpoint that verifies (see `verify`); warns about and skips partial or corrupt ones."""
+        """The newest checkpoint that verifies (see `verify`); warns about and skips partial or corrupt ones.
+
+        Under torchrun rank 0 verifies and tells the others (one rank hashes, not all).
+        """
+        if _distributed():
+            import torch.distributed as dist
+
+            box = [self._latest() if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        return self._latest()
+
+    def _latest(self) -> Path | None:
         for _, path in reversed(self.checkpoints()):
             try:
                 self.verify(path)
@@ -207,7 +279,7 @@ class CheckpointManager:
             entries = {name: (int(e["size"]), str(e["sha256"])) for name, e in files.items()}
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{manifest_path}: unreadable manifest ({exc})") from None
-        missing = [name for name in REQUIRED_FILES if name not in entries]
+        missing = [name for name in REQUIRED_FILES if name not in entries and SHARDED_INSTEAD.get(name) not in entries]
         if missing:
             raise CheckpointError(f"{manifest_path}: does not list {', '.join(missing)}")
         stats = {}
@@ -238,12 +310,20 @@ class CheckpointManager:
         *,
         generators: dict[str, torch.Generator] | None = None,
     ) -> dict:
-        """Verify `path`, restore weights, optimizer, scheduler and RNG states; returns the trainer_state."""
+        """Verify `path`, restore weights, optimizer, scheduler and RNG states; returns the trainer_state.
+
+        Either kind of checkpoint (one process, or sharded by any number of ranks) loads in either setting.
+        """
         path = Path(path)
-        self.verify(path)
+        self._verify_once(path)
         state = json.loads((path / "trainer_state.json").read_text())
         model = _unwrap(drafter)
         _check_drafter_config(path / "drafter", model)
+        if _distributed() or (path / SHARDED_INSTEAD["optimizer.pt"]).is_file():
+            _load_state_dicts(path, model, optimizer)
+            scheduler.load_state_dict(_torch_load(path / "scheduler.pt"))
+            restore_rng_state(_torch_load(path / "rng.pt"), generators, where=path / "rng.pt")
+            return state
         weights = {}
         for file in sorted((path / "drafter").glob("*.safetensors")):
             weights.update(load_file(file))
@@ -258,6 +338,74 @@ class CheckpointManager:
         scheduler.load_state_dict(_torch_load(path / "scheduler.pt"))
         restore_rng_state(_torch_load(path / "rng.pt"), generators, where=path / "rng.pt")
         return state
+
+
+    def _verify_once(self, path: Path) -> None:
+        """`verify` on rank 0 only under torchrun (the others take its verdict); on this process otherwise."""
+        if not _distributed():
+            self.verify(path)
+            return
+        import torch.distributed as dist
+
+        error = None
+        if dist.get_rank() == 0:
+            try:
+                self.verify(path)
+            except CheckpointError as exc:
+                error = str(exc)
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            raise CheckpointError(box[0])
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _load_state_dicts(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Model and optimizer state through torch.distributed.checkpoint's state-dict API, which re-shards: from a
+    sharded checkpoint (any number of ranks) or a one-process one (loaded whole), into a sharded or plain model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    sharded = path / SHARDED
+    if (sharded / ".metadata").is_file():
+        model_state, optim_state = get_state_dict(model, optimizer)
+        try:
+            dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=sharded)
+        except Exception as exc:  # DCP reports a mismatch as a CheckpointException listing every rank's error
+            raise CheckpointError(f"{sharded}: does not fit the drafter and optimizer: {exc}") from None
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+        return
+    weights = {}
+    for file in sorted((path / "drafter").glob("*.safetensors")):
+        weights.update(load_file(file))
+    optim = _torch_load(path / "optimizer.pt")
+    # optimizer.pt numbers the parameters in the order the optimizer was given them (the trainable ones, in
+    # module order); the state-dict API names them by their module path.
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    try:
+        optim = {"state": {names[i]: v for i, v in optim["state"].items()},
+                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]]}  # fmt: skip
+        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim,
+                       options=StateDictOptions(full_state_dict=True, strict=True))  # fmt: skip
+    except (IndexError, KeyError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: weights or optimizer.pt do not fit the drafter: {exc}") from None
+
+
+def _save_plain_drafter(drafter: nn.Module, state: dict, directory: Path) -> None:
+    """save_pretrained of `drafter`'s own class (not FSDP2's wrapper subclass, whose name would become the
+    checkpoint's `architectures`) holding the gathered full weights `state`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(drafter).__mro__ if not issubclass(c, FSDPModule))
+    with torch.device("meta"):
+        plain = cls(copy.deepcopy(drafter.config))
+    plain.load_state_dict(state, assign=True, strict=True)
+    plain.save_pretrained(directory)
 
 
 # ---- RNG states -------------------------------------------------------------------------------------------------

@@ -1,4 +1,9 @@
-"""CLI glue for `flashdraft train` (the loop lives in flashdraft.train.loop)."""
+"""CLI glue for `flashdraft train` (the loop lives in flashdraft.train.loop).
+
+    flashdraft train --config C.yaml                             # one process
+    flashdraft train --nproc 8 --config C.yaml                   # 8 on this machine: torchrun, NCCL variables set
+    torchrun --nproc-per-node 8 -m flashdraft train --config C.yaml
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="output directory (overrides log.out)")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in OUT")
     p.add_argument("--help-config", action="store_true", help="list every config field with its default and meaning")
+    add_nproc_argument(p)
     p.add_argument("overrides", nargs="*", metavar="section.field=value", help="dotted overrides, e.g. optim.lr=3e-4")
     p.set_defaults(run=run)
 
@@ -26,6 +32,10 @@ def run(args) -> int:
     import logging
 
     from flashdraft import embedded
+    from flashdraft.train import distributed
+
+    if args.nproc is not None and not distributed.launched():
+        return distributed.launch(args.nproc, relaunch_argv(args, "train"))
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     given_out = [o.partition("=")[2] for o in args.overrides if o.partition("=")[0].strip() == "log.out"]
@@ -37,7 +47,12 @@ def run(args) -> int:
     preflight(cfg, resume=args.resume)
     from flashdraft.train.loop import train
 
-    result = train(cfg, resume=args.resume, console=console)
+    with distributed.session(cfg.train.device, "train") as world:
+        if not world.is_main:
+            console = Console(quiet=True)
+        result = train(cfg, resume=args.resume, console=console)
+        if not world.is_main:
+            return 0
     console.print(f"\n[bold green]done[/]: {result.steps} steps, loss {result.loss:.3f}, simulated τ {result.sim_tau:.2f}"
                   + (f", measured τ {result.measured_tau:.2f} (greedy, held-out prompts)" if result.measured_tau else ""),
                   soft_wrap=True)  # fmt: skip
@@ -81,3 +96,21 @@ def preflight(cfg, resume: bool = False) -> None:
         out = Path(cfg.log.out)
         if not CheckpointManager(out).checkpoints():
             raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'} (nothing to resume)")
+
+
+def add_nproc_argument(p) -> None:
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="run N data-parallel processes on this machine (launches torchrun --standalone; sets "
+                        "NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 unless set)")  # fmt: skip
+
+
+def relaunch_argv(args, command: str) -> list[str]:
+    """The arguments of this command again, without --nproc: what each torchrun worker runs."""
+    argv = [command]
+    for flag in ("config", "out"):
+        if getattr(args, flag, None):
+            argv += [f"--{flag}", str(getattr(args, flag))]
+    for flag in ("resume", "debug"):
+        if getattr(args, flag, False):
+            argv.append(f"--{flag}")
+    return argv + list(getattr(args, "overrides", []))

@@ -4,8 +4,9 @@
     flashdraft train --config examples/tiny.yaml --out runs/tiny train.max_steps=50
     flashdraft train --config examples/qwen3.5-27b.yaml --resume
 
-One process (data parallelism over torchrun is issue 5). Everything a step needs is derived from the step number
-(data order and anchors are seeded by (seed, epoch, sample)), so a resumed run repeats an uninterrupted one exactly.
+Everything a step needs is derived from the step number (data order and anchors are seeded by (seed, epoch,
+sample)), so a resumed run repeats an uninterrupted one exactly. Many processes (torchrun): see
+flashdraft/train/distributed.py; the loop calls it in a few places and is otherwise the same.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from flashdraft.drafter.recipe import (
     dflash_loss,
     sample_anchors,
 )
+from flashdraft.train import distributed
 from flashdraft.train.accel import attention_kind, compile_layers, drafter_mask
 from flashdraft.train.checkpoint import CheckpointManager
 from flashdraft.train.metrics import MetricsLogger, plot_training_curve
@@ -60,13 +62,15 @@ class Setup:
     data: object  # TokenizedDataset
     steps_per_epoch: int
     total_steps: int
+    features: object = None  # FeatureStore when training offline (data.features): read instead of the target
     full_target: object = None  # the untruncated target, loaded on the first real-τ measurement
 
 
 def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
     out = Path(cfg.log.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+    if distributed.world().is_main:
+        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
     s = setup(cfg, out, console)
     optimizer = build_optimizer(s.drafter.parameters(), cfg.optim, s.device)
     scheduler = build_scheduler(optimizer, cfg.optim, s.total_steps)
@@ -79,7 +83,8 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
         start = checkpoints.load(latest, s.drafter, optimizer, scheduler)["step"]
         logger.info("resumed from %s (step %d)", latest, start)
     metrics = MetricsLogger(out, total_steps=s.total_steps, trackers=cfg.log.trackers, config=to_dict(cfg),
-                            console=console, resume_from_step=start if resume else None)  # fmt: skip
+                            console=console, resume_from_step=start if resume else None,
+                            enabled=distributed.world().is_main)  # fmt: skip
     # The checkpoint resumed from, not a second latest(): that would hash every checkpoint again and repeat the
     # warning about each damaged one it skips.
     window, last_ckpt, timer = None, latest, _Timer(s.device)
@@ -103,13 +108,17 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
             if done % cfg.log.every == 0 or done == s.total_steps:
                 row = summarize(window, timer.take(), s, scheduler.get_last_lr()[0]) | {"skipped": skipped}
                 if cfg.log.eval_every and done % cfg.log.eval_every == 0 and done < s.total_steps:
-                    row["tau"] = measure_tau(cfg, s)
+                    row["tau"] = _periodic_tau(cfg, s)
                     timer.take()  # decoding time is not training throughput
                 metrics.log(done, row)
                 window = None
             if done % cfg.log.checkpoint_every == 0 or done == s.total_steps:
                 last_ckpt = checkpoints.save(done, s.drafter, optimizer, scheduler, {"step": done})
     metrics.close()
+    # Decoding (the measured τ) and the report are rank 0's, on a plain copy of the (sharded) drafter.
+    s.drafter = distributed.gather_drafter(s.drafter)
+    if s.drafter is None:
+        return TrainResult(out, s.total_steps, float("nan"), float("nan"), None, last_ckpt, None)
     curve = plot_training_curve(out / "metrics.jsonl", out / "training_curve.png")
     final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()][-1]
     measured = measure_tau(cfg, s, out / "measured_tau.json")
@@ -129,12 +138,13 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
     epoch = step // s.steps_per_epoch
     indices = step_indices(s, cfg, step)
     batches = [_blocks(s, cfg, ids, mask, idx, epoch) for (ids, mask, _), idx in zip(micro, indices, strict=True)]
-    denominator = sum(b.weights.sum() for b in batches).clamp(min=1e-6)
+    # Over the whole global step (every micro-batch of every rank): each token weighs the same whatever the split.
+    denominator = distributed.all_sum(sum(b.weights.sum() for b in batches)).clamp(min=1e-6)
     # Counted before the GPU work is queued: a host sync later would stall the queue between micro-batches.
     tokens = sum(int(attn.sum()) for _, _, attn in micro)
     total = None
-    for (ids, _, attn), batch in zip(micro, batches, strict=True):
-        features = s.target.capture(ids, attn)
+    for (ids, _, attn), batch, idx in zip(micro, batches, indices, strict=True):
+        features = s.target.capture(ids, attn) if s.features is None else s.features.batch(idx, ids.shape[1])
         mark("target")
         with _autocast(s.device):
             hidden = s.drafter(
@@ -150,7 +160,8 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
         loss.backward()
         mark("drafter_bwd")
         total = stats if total is None else total + stats
-    grad_norm = torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), cfg.optim.grad_clip)
+    grad_norm = distributed.clip_grad_norm_(s.drafter.parameters(), cfg.optim.grad_clip)
+    total, tokens = distributed.sum_stats(total, tokens)
     # One host sync per step: applying a NaN update would poison every later step and checkpoint.
     finite = bool(torch.isfinite(total.loss_sum) & torch.isfinite(grad_norm))
     if finite:
@@ -165,13 +176,13 @@ def _no_mark(phase: str) -> None:
 
 
 def step_indices(s: Setup, cfg: RunConfig, step: int) -> list[list[int]]:
-    """Sample indices of each micro-batch of `step`: a fixed function of (seed, step), whatever ran before."""
-    per_step = cfg.train.batch_size * cfg.train.grad_accum
+    """Sample indices of this rank's micro-batches of `step`: a fixed function of (seed, step, rank, world)."""
+    per_step = cfg.train.batch_size * cfg.train.grad_accum * distributed.world().size
     epoch, offset = divmod(step, s.steps_per_epoch)
     order = _epoch_order(s.data, epoch, cfg.train.seed)
     chunk = order[offset * per_step : (offset + 1) * per_step]
     b = cfg.train.batch_size
-    return [chunk[i : i + b] for i in range(0, per_step, b)]
+    return distributed.rank_share([chunk[i : i + b] for i in range(0, per_step, b)])
 
 
 _ORDER_CACHE: dict = {}
@@ -241,7 +252,7 @@ def summarize(stats, timing: tuple[int, float], s: Setup, lr: float) -> dict:
     acc = stats.accuracy()
     drafted = int(stats.valid.sum())
     flops = step_flops(s, tokens, int(stats.valid.sum()))
-    peak = PEAK_FLOPS.get(s.device.type)
+    peak = PEAK_FLOPS.get(s.device.type, 0) * distributed.world().size  # tokens and FLOPs are the global step's
     row = {
         "loss": float(stats.loss_sum / stats.weight_sum.clamp(min=1e-12)),
         "sim_tau": float(stats.tau()),
@@ -270,48 +281,76 @@ def step_flops(s: Setup, seq_tokens: int, labelled: int) -> float:
 
 
 def setup(cfg: RunConfig, out: Path, console) -> Setup:
+    device, tokenizer, target, data, features = load_inputs(cfg, out, console)
+    drafter = _drafter(cfg, target, tokenizer).to(device)
+    compile_layers(drafter, cfg.train.compile, device)  # per layer, before sharding (as torchtitan orders them)
+    drafter = distributed.parallelize_drafter(drafter, device)
+    # The global step: every rank takes batch_size x grad_accum of its sequences (distributed.py).
+    per_step = cfg.train.batch_size * cfg.train.grad_accum * distributed.world().size
+    steps_per_epoch = len(data) // per_step
+    if steps_per_epoch == 0:
+        raise ValueError(f"data: {len(data)} samples, fewer than one step needs (train.batch_size x train.grad_accum "
+                         f"x {distributed.world().size} processes = {per_step})")  # fmt: skip
+    total = steps_per_epoch * cfg.train.epochs
+    if cfg.train.max_steps is not None:
+        total = min(total, cfg.train.max_steps)
+    return Setup(device, tokenizer, target, drafter, data, steps_per_epoch, total, features)
+
+
+def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = None):
+    """(device, tokenizer, frozen target, tokenised data, features) of `cfg`; also what `flashdraft features` uses.
+
+    Offline (`data.features` set, unless `offline=False`): the features are read from there and the target is only
+    its config, embedding and LM head, saved beside them; features is None otherwise.
+    """
     from transformers.utils import logging as hf_logging
 
     from flashdraft.data import FormatConfig, PrepareConfig, TokenizedDataset, prepare_shards
     from flashdraft.target import FrozenTarget, load_target
 
     hf_logging.disable_progress_bar()  # transformers' per-checkpoint tqdm bars would tear the rich progress bar
+    offline = bool(cfg.data.features) if offline is None else offline
     device = _device(cfg.train.device)
     dtype = _dtype(cfg.target.dtype, device)
+    # target.shard: the whole target never sits on one GPU; it loads into CPU memory and each rank keeps 1/N.
+    load_on = torch.device("cpu") if cfg.target.shard and distributed.world().size > 1 else device
     torch.manual_seed(cfg.train.seed)
+    features = None
     if cfg.target.path == embedded.EMBEDDED:
         tokenizer_path = cfg.data.tokenizer or str(embedded.tokenizer_dir())
-        model = embedded.build_target(dtype=dtype, device=device)
+    else:
+        tokenizer_path = cfg.data.tokenizer or cfg.target.path
+    if offline:
+        from flashdraft.features import FeatureStore
+
+        features = FeatureStore(cfg.data.features, device=device)
+        target = features.head_target(cfg.drafter.target_layer_ids)
+    elif cfg.target.path == embedded.EMBEDDED:
+        model = embedded.build_target(dtype=dtype, device=load_on)
         ids = cfg.drafter.target_layer_ids or _default_ids(model.config.num_hidden_layers, cfg.drafter.num_layers)
         target = FrozenTarget.from_model(model, ids)
     else:
-        tokenizer_path = cfg.data.tokenizer or cfg.target.path
         target = load_target(cfg.target.path, target_layer_ids=cfg.drafter.target_layer_ids, dtype=dtype,
-                             device=device, trust_remote_code=cfg.target.trust_remote_code,
+                             device=load_on, trust_remote_code=cfg.target.trust_remote_code,
                              attn_implementation=cfg.target.attn_implementation)  # fmt: skip
+    if cfg.target.shard and not offline:
+        distributed.shard_target(target.model, device)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
-    drafter = _drafter(cfg, target, tokenizer).to(device)
-    compile_layers(drafter, cfg.train.compile, device)
     sources = embedded.train_data() if cfg.data.train == [embedded.EMBEDDED] else cfg.data.train
-    prepared = prepare_shards(
-        PrepareConfig(data=sources, tokenizer=tokenizer_path, out=cfg.data.shards or str(out / "shards"),
-                      format=FormatConfig(format=cfg.data.format, drop_thinking=cfg.data.drop_thinking),
-                      max_length=cfg.data.max_length, overlong=cfg.data.overlong, skip_bad=cfg.data.skip_bad),
-        tokenizer=tokenizer, console=console,
-    )  # fmt: skip
+    # Rank 0 tokenises (or finds the shards already there); the others then reuse its shards.
+    with distributed.main_first():
+        prepared = prepare_shards(
+            PrepareConfig(data=sources, tokenizer=tokenizer_path, out=cfg.data.shards or str(out / "shards"),
+                          format=FormatConfig(format=cfg.data.format, drop_thinking=cfg.data.drop_thinking),
+                          max_length=cfg.data.max_length, overlong=cfg.data.overlong, skip_bad=cfg.data.skip_bad),
+            tokenizer=tokenizer, console=console,
+        )  # fmt: skip
     data = TokenizedDataset(prepared.path)
-    per_step = cfg.train.batch_size * cfg.train.grad_accum
-    steps_per_epoch = len(data) // per_step
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"data: {len(data)} samples, fewer than one step needs (train.batch_size x train.grad_accum = {per_step})"
-        )
-    total = steps_per_epoch * cfg.train.epochs
-    if cfg.train.max_steps is not None:
-        total = min(total, cfg.train.max_steps)
-    return Setup(device, tokenizer, target, drafter, data, steps_per_epoch, total)
+    if features is not None:
+        features.check_data(data)
+    return device, tokenizer, target, data, features
 
 
 def _drafter(cfg: RunConfig, target, tokenizer) -> DFlashDraftModel:
@@ -349,10 +388,18 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def measure_tau(cfg: RunConfig, s: Setup, json_out: Path | None = None) -> float | None:
+def _periodic_tau(cfg: RunConfig, s: Setup) -> float | None:
+    """measure_tau during training: every rank gathers the (sharded) drafter, rank 0 decodes, the others go on to
+    the next step's collectives and wait there."""
+    plain = distributed.gather_drafter(s.drafter)
+    return None if plain is None else measure_tau(cfg, s, drafter=plain)
+
+
+def measure_tau(cfg: RunConfig, s: Setup, json_out: Path | None = None, drafter=None) -> float | None:
     """τ of real speculative decoding (greedy) on held-out prompts, against the full (untruncated) target.
 
-    None when there are no held-out prompts. The full target is loaded once per run and kept on `s`.
+    None when there are no held-out prompts. The full target is loaded once per run and kept on `s`. `drafter`:
+    a plain (unsharded) drafter to decode with, default `s.drafter`.
     """
     prompts_path = cfg.data.eval_prompts
     if prompts_path == embedded.EMBEDDED:
@@ -376,7 +423,7 @@ def measure_tau(cfg: RunConfig, s: Setup, json_out: Path | None = None) -> float
         fastpath.enable(full, strict=False)
         s.full_target = full.eval()
     full = s.full_target
-    drafter = s.drafter.eval()
+    drafter = (drafter or s.drafter).eval()
     taus = []
     for prompt in load_prompts(prompts_path, s.tokenizer, cfg.data.eval_limit):
         # Decoding runs the (train.compile) compiled layers eagerly: its cache and shapes change every round.

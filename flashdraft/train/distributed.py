@@ -1,0 +1,372 @@
+"""Data parallelism over torchrun: the process group, rank-0-only output, errors that stop every rank, sharding.
+
+    torchrun --nproc-per-node 8 -m flashdraft train --config examples/qwen3.5-27b.yaml
+    flashdraft train --nproc 8 --config examples/qwen3.5-27b.yaml          # the same; sets the NCCL variables
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m flashdraft train --config examples/qwen3.5-27b.yaml             # on each of the two nodes
+
+Without torchrun (no WORLD_SIZE in the environment) nothing here does anything: one process, as before.
+
+- Global batch: one optimizer step takes `train.batch_size x train.grad_accum x world` sequences. `step_indices`
+  cuts the step's samples (a pure function of (seed, step)) into `grad_accum x world` micro-batches; rank r takes
+  the r-th `grad_accum` of them. So 1 process with grad_accum=2 and 2 processes with grad_accum=1 train on the same
+  micro-batches, and the loss is normalised over the whole global step (`all_sum` of the weights): the same
+  losses up to the order of the sums.
+- Every rank holds the frozen target (replicated; `target.shard=true` shards its decoder layers with FSDP2) and
+  the drafter under FSDP2 (`parallelize_drafter` says why not DDP).
+- NCCL on GPUs, gloo on CPUs. Only rank 0 prints and logs (other ranks: errors only).
+- An exception on any rank is written to the job's TCP store; every other rank polls it and exits at once, rank 0
+  printing the failing rank's message (`_ErrorWatch`). torchrun's own fail-fast does the same on one node; the
+  store also reaches ranks on other nodes that sit in an NCCL collective, which would otherwise wait for the NCCL
+  timeout (10 minutes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# Set for the workers by `flashdraft train --nproc` (never overriding the user's values): NVLink SHARP / multicast
+# objects are not available on every machine (e.g. inside some VMs and containers) and failing to create them
+# aborts NCCL's init; the plain NVLink ring/tree paths are what data parallelism needs.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+POLL_SECONDS = 0.5
+EXIT_PEER_FAILED = 1
+# Long waits of the other ranks on rank 0 (tokenising the data, writing a checkpoint) use the store with this
+# bound, not a collective with the process group's timeout; a failure of rank 0 ends the wait through _ErrorWatch.
+LONG_WAIT = timedelta(days=7)
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched() -> bool:
+    """Whether this process was started by torchrun (or another launcher that sets WORLD_SIZE and RANK)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def world() -> World:
+    """This process's place in the job; rank 0 of 1 when no process group is initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return World()
+    return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+_session: _Session | None = None
+
+
+@contextlib.contextmanager
+def session(device: str = "auto", command: str = "train") -> Iterator[World]:
+    """The job's process group around a command: set up under torchrun, torn down after; a no-op otherwise.
+
+    `device` is train.device (auto | cpu | cuda): NCCL when it resolves to a GPU, else gloo. Inside, non-zero ranks
+    are quiet, and an exception on any rank stops every rank (the module docstring).
+    """
+    global _session
+    if not launched() or _session is not None:
+        yield world()
+        return
+    use_cuda = device == "cuda" or device == "auto" and torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise ValueError("train.device = cuda, but no CUDA device is available (use auto or cpu)")
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): start "
+                             "at most one process per GPU (--nproc / --nproc-per-node), or set train.device=cpu")  # fmt: skip
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo")
+    here = world()
+    _session = _Session(here, command)
+    ok = False
+    try:
+        yield here
+        ok = True
+    except BaseException as exc:
+        _session.watch.publish(exc)
+        raise
+    finally:
+        state, _session = _session, None
+        state.close(ok)
+
+
+class _Session:
+    def __init__(self, here: World, command: str) -> None:
+        self.world = here
+        self.store = _store()
+        self.watch = _ErrorWatch(self.store, here, command)
+        self.waits = 0
+        if not here.is_main:
+            _quiet()
+        self.watch.start()
+
+    def close(self, ok: bool) -> None:
+        self.watch.stop()
+        # No barrier first: rank 0 may still be decoding alone (measured τ) after the last collective. After a
+        # failure the group is left to the process exit: destroying it could wait on a peer that is gone.
+        if ok:
+            dist.destroy_process_group()
+
+
+def _store() -> dist.Store:
+    """A client of the job's TCP store of its own (torchrun's agent store, or rank 0's), under this run's prefix."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(minutes=5))
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"flashdraft/{run}/{restart}/", client)
+
+
+def _quiet() -> None:
+    """Only rank 0 prints and logs; the others keep errors (their own failure is printed by the CLI)."""
+    logging.getLogger().setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    with contextlib.suppress(ImportError):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+
+
+class _ErrorWatch:
+    """The first failing rank writes "rank<TAB>message" to the store key `error`; every rank polls that key in a
+    daemon thread and, when another rank failed, exits the process at once (rank 0 printing the message first)."""
+
+    KEY = "error"
+
+    def __init__(self, store: dist.Store, here: World, command: str) -> None:
+        self.store, self.world, self.command = store, here, command
+        self.failed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flashdraft-error-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def publish(self, exc: BaseException) -> None:
+        self.failed = True  # before the write: this rank's own watcher must not exit before the CLI prints
+        message = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError | OSError) else str(exc)
+        if isinstance(exc, KeyboardInterrupt):
+            message = "interrupted"
+        try:
+            self.store.compare_set(self.KEY, "", f"{self.world.rank}\t{message}")
+        except Exception as err:  # the store is gone: torchrun's fail-fast still stops the others
+            logger.error("could not tell the other ranks about the failure: %s", err)
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_SECONDS):
+            try:
+                if not self.store.check([self.KEY]):
+                    continue
+                rank, _, message = self.store.get(self.KEY).decode().partition("\t")
+            except Exception as err:
+                if self._stop.is_set():
+                    return
+                rank, message = "?", f"lost contact with the job's store ({type(err).__name__}: {err})"
+            if self.failed or self._stop.is_set():
+                return
+            if self.world.is_main:
+                print(f"flashdraft {self.command}: stopping every rank: rank {rank} failed: {message}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            sys.stdout.flush()
+            os._exit(EXIT_PEER_FAILED)
+
+
+@contextlib.contextmanager
+def main_first() -> Iterator[None]:
+    """Run the body on rank 0 first, then on the others (e.g. rank 0 writes a cache the others then read).
+
+    The others wait on the store, with no collective timeout: rank 0 may take as long as it needs, and if it
+    fails the error watch ends the wait.
+    """
+    if _session is None or _session.world.size == 1:
+        yield
+        return
+    _session.waits += 1
+    key = f"main_first/{_session.waits}"
+    if not _session.world.is_main:
+        _session.store.wait([key], LONG_WAIT)
+    yield
+    if _session.world.is_main:
+        _session.store.set(key, "done")
+
+
+def broadcast(value):
+    """Rank 0's `value` (any picklable object) on every rank."""
+    if world().size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if world().size > 1:
+        dist.barrier()
+
+
+# ---- data parallel training --------------------------------------------------------------------------------------
+
+
+def rank_share(micro_batches: list) -> list:
+    """This rank's micro-batches of a global step: the r-th of `world` equal contiguous parts."""
+    here = world()
+    if len(micro_batches) % here.size:
+        raise ValueError(f"{len(micro_batches)} micro-batches do not split over {here.size} ranks")
+    per_rank = len(micro_batches) // here.size
+    return micro_batches[here.rank * per_rank : (here.rank + 1) * per_rank]
+
+
+def all_sum(value: torch.Tensor) -> torch.Tensor:
+    """Σ over ranks of a tensor (a new tensor; `value` itself when there is one process)."""
+    if world().size == 1:
+        return value
+    out = value.detach().clone()
+    dist.all_reduce(out)
+    return out
+
+
+def sum_stats(stats, tokens: int):
+    """(LossStats, tokens) summed over ranks in one all_reduce: the logged step is the global step.
+
+    Packed as float64, which holds the integer counts exactly and the sum of two float32s exactly.
+    """
+    if world().size == 1:
+        return stats, tokens
+    names = [f.name for f in fields(stats)]
+    parts = [getattr(stats, n) for n in names]
+    flat = torch.cat([p.reshape(-1).double() for p in parts] + [torch.tensor([float(tokens)], device=parts[0].device)])
+    dist.all_reduce(flat)
+    out, at = {}, 0
+    for name, part in zip(names, parts, strict=True):
+        out[name] = flat[at : at + part.numel()].view(part.shape).to(part.dtype)
+        at += part.numel()
+    return type(stats)(**out), int(flat[at].item())
+
+
+def parallelize_drafter(drafter: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Shard the drafter with FSDP2 (`fully_shard` per decoder layer, then the root); identity in one process.
+
+    FSDP2 rather than DDP: (1) it shards the float32 master weights, gradients and AdamW moments (16 bytes per
+    parameter: ~27 GB for a drafter of a 27B target's width, replicated on every GPU under DDP) — memory the
+    target's activations need; (2) the module stays itself (no `.module` wrapper), so the loop, the recipe and
+    `save_pretrained` see the same object with one process or many; (3) its sharded state is what
+    torch.distributed.checkpoint writes in parallel and re-shards on load, so a checkpoint of N ranks resumes on M.
+    The cost is an all-gather of each layer's weights per micro-batch, small next to the target's forward.
+
+    Gradients are summed, not averaged, over ranks: each rank's loss is already divided by the global step's
+    weight (`all_sum`), so the sum is the gradient of the one-process loss.
+    """
+    if world().size == 1:
+        return drafter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world().size,))
+    # The unsharded weights of one layer stay until its backward: the drafter is small next to the target, and
+    # this saves an all-gather per layer and micro-batch.
+    for layer in drafter.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(drafter, mesh=mesh, reshard_after_forward=False)
+    for module in [*drafter.layers, drafter]:  # per fully_shard unit: the setters do not recurse
+        module.set_gradient_divide_factor(1.0)
+        # A plain SUM (gloo has no PREMUL_SUM, and NCCL's SUM is its zero-copy path); the division by 1 is a no-op.
+        module.set_force_sum_reduction_for_comms(True)
+    return drafter
+
+
+def shard_target(model: torch.nn.Module, device: torch.device) -> None:
+    """`target.shard`: FSDP2-shard the frozen target's decoder layers over the ranks, in place, onto `device`.
+
+    The model may sit in CPU memory (it is loaded there when it does not fit one GPU): each rank keeps 1/N of every
+    layer's weights on `device` and all-gathers one layer at a time during the forward; the embedding, norms and LM
+    head go to `device` whole (the drafter's loss and block embedding read them directly). Every rank runs the same
+    number of target forwards per step (equal micro-batches), so the all-gathers line up.
+    """
+    if world().size == 1:
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    decoder = model.get_decoder()
+    layers = decoder.layers
+    decoder.layers = torch.nn.ModuleList()
+    model.to(device)  # everything but the layers
+    decoder.layers = layers
+    mesh = init_device_mesh(device.type, (world().size,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)  # moves its shard to the mesh's device
+    params = [p for layer in layers for p in layer.parameters()]
+    local = sum(p.to_local().numel() * p.element_size() for p in params)
+    full = sum(p.numel() * p.element_size() for p in params)
+    logger.info("target: %d decoder layers sharded over %d ranks: %.1f of %.1f MiB of their weights per rank",
+                len(layers), world().size, local / 2**20, full / 2**20)  # fmt: skip
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_, returning a plain tensor also when the gradients are sharded DTensors."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def gather_drafter(drafter: torch.nn.Module, device: torch.device | None = None):
+    """The drafter as a plain module on rank 0 (None on the others): for decoding, which only rank 0 does.
+
+    Collective: every rank must call it. In one process, `drafter` itself.
+    """
+    if world().size == 1:
+        return drafter
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(drafter, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not world().is_main:
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    # FSDP2 swapped the module's class for a subclass of (FSDPModule, original class): build the original.
+    cls = next(c for c in type(drafter).__mro__ if not issubclass(c, FSDPModule))
+    plain = cls(drafter.config)
+    plain.load_state_dict(full)
+    return plain.to(device if device is not None else next(drafter.parameters()).device)
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """`flashdraft <argv> --nproc N`: run `torchrun --standalone --nproc-per-node N -m flashdraft <argv>` with the
+    NCCL variables of `NCCL_ENV` (unless already set); returns torchrun's exit status."""
+    import subprocess
+
+    if nproc < 1:
+        raise ValueError(f"--nproc {nproc}: must be >= 1")
+    env = {**NCCL_ENV, **os.environ}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "flashdraft", *argv]  # fmt: skip
+    return subprocess.call(cmd, env=env)
