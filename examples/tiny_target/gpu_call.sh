@@ -10,7 +10,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 B=build/tiny_target
 if [[ " $STAGES " == *" target "* ]]; then
   STAGES=target bash examples/tiny_target/pipeline.sh 2>&1 | tee "$OUT/target.log" | grep -v "Writing model"
-  cp -r $B/target "$OUT/"  # now, so a later stage that overruns the call cannot lose it
+  # Now, so a later stage that overruns the call cannot lose it; one archive, as at most 8 files come back.
+  tar czf "$OUT/target.tgz" -C build tiny_target/target
 fi
 if [ -n "${GPU_TESTS:-}" ]; then
   timeout ${TEST_TIMEOUT:-270} python3 -m pytest -q -rfE -p no:cacheprovider ${TEST_ARGS:--n 6} --timeout 150 \
@@ -19,15 +20,9 @@ if [ -n "${GPU_TESTS:-}" ]; then
 fi
 rest=$(echo " $STAGES " | sed 's/ target / /')
 STAGES="$rest" bash examples/tiny_target/pipeline.sh 2>&1 | grep -v "Loading weights\|Writing model" | tee "$OUT/pipeline.log" | tail -30
-if [[ " $STAGES " == *" drafter "* ]] && ! ls -d $B/drafter_run/checkpoints/step_* >/dev/null 2>&1; then
-  echo "drafter stage left no checkpoint: again with SDPA and no compile"
-  STAGES=drafter DRAFTER_TIMEOUT=${FALLBACK_TIMEOUT:-100} DRAFTER_ARGS="${DRAFTER_ARGS:-} train.attention=sdpa train.compile=false" \
-    bash examples/tiny_target/pipeline.sh 2>&1 | tail -15 | tee -a "$OUT/pipeline.log"
-fi
-cp $B/regen_t*.jsonl $B/eval_t*.json $B/eval_t*.png "$OUT/" 2>/dev/null
-if [ -d $B/drafter_run ]; then
-  mkdir -p "$OUT/drafter_run"; cp $B/drafter_run/*.json* $B/drafter_run/*.png "$OUT/drafter_run/" 2>/dev/null
-  latest=$(ls -d $B/drafter_run/checkpoints/step_* | tail -1); cp -r "$latest/drafter" "$OUT/drafter_run/drafter"
-fi
+latest=$(ls -d $B/drafter_run/checkpoints/step_* 2>/dev/null | tail -1)
+parts=$(cd build && ls -d tiny_target/regen_t*.jsonl tiny_target/eval_t* tiny_target/drafter_run/*.json* \
+  tiny_target/drafter_run/*.png ${latest:+tiny_target/drafter_run/checkpoints/$(basename $latest)/drafter} 2>/dev/null)
+[ -n "$parts" ] && tar czf "$OUT/artefacts.tgz" -C build $parts
 if [ -n "${TESTS_PID:-}" ]; then wait $TESTS_PID; echo "GPU tests:"; tail -15 "$OUT/gpu_tests.log"; fi
 ls -la "$OUT"
