@@ -41,6 +41,7 @@ class DrafterRunner:
         self.block_size = bs
         self.slots = engine.slots + bs
         self.layers = list(drafter.layers)
+        self.norms = {id(m): ops.Norm(m) for m in drafter.modules() if "RMSNorm" in type(m).__name__}
         self.kv = []
         for layer in self.layers:
             attn = layer.self_attn
@@ -71,7 +72,7 @@ class DrafterRunner:
     def prefill(self, features: torch.Tensor) -> None:
         """Cache the context K/V of the prompt's features (P, n * D); nothing is pending afterwards."""
         positions = torch.arange(features.shape[0], device=self.device)
-        context = self.drafter.hidden_norm(self.drafter.fc(features.to(self.dtype)))
+        context = self._norm(self.drafter.hidden_norm, self.drafter.fc(features.to(self.dtype)))
         for layer, cache in zip(self.layers, self.kv, strict=True):
             self._cache_context(layer.self_attn, context, positions, cache)
         self.context.fill_(features.shape[0])
@@ -83,7 +84,7 @@ class DrafterRunner:
 
     def _cache_context(self, attn, context: torch.Tensor, positions: torch.Tensor, cache) -> None:
         length, dim = context.shape[0], attn.head_dim
-        key = attn.k_norm(attn.k_proj(context).view(length, -1, dim)).transpose(0, 1)
+        key = self._norm(attn.k_norm, attn.k_proj(context).view(length, -1, dim)).transpose(0, 1)
         value = attn.v_proj(context).view(length, -1, dim).transpose(0, 1)
         key = _rotate(key, self.cos[positions][None], self.sin[positions][None])
         cache[0].index_copy_(1, positions, key)
@@ -92,7 +93,7 @@ class DrafterRunner:
     def _draft(self) -> None:
         drafter, bs = self.drafter, self.block_size
         features = self.engine.features
-        context = drafter.hidden_norm(drafter.fc(features.to(self.dtype)))
+        context = self._norm(drafter.hidden_norm, drafter.fc(features.to(self.dtype)))
         context_positions = self.context + self.block_index[: features.shape[0]]
         anchor = self.context + self.pending
         positions = anchor + self.block_index
@@ -101,21 +102,24 @@ class DrafterRunner:
         for layer, cache in zip(self.layers, self.kv, strict=True):
             attn = layer.self_attn
             self._cache_context(attn, context, context_positions, cache)
-            x = layer.input_layernorm(hidden)
+            x = self._norm(layer.input_layernorm, hidden)
             dim = attn.head_dim
-            query = _rotate(attn.q_norm(attn.q_proj(x).view(bs, -1, dim)).transpose(0, 1), cos, sin)
-            key = _rotate(attn.k_norm(attn.k_proj(x).view(bs, -1, dim)).transpose(0, 1), cos, sin)
+            query = _rotate(self._norm(attn.q_norm, attn.q_proj(x).view(bs, -1, dim)).transpose(0, 1), cos, sin)
+            key = _rotate(self._norm(attn.k_norm, attn.k_proj(x).view(bs, -1, dim)).transpose(0, 1), cos, sin)
             cache[0].index_copy_(1, positions, key)
             cache[1].index_copy_(1, positions, attn.v_proj(x).view(bs, -1, dim).transpose(0, 1))
             visible = self._visible(attn, positions)
             hidden = hidden + attn.o_proj(ops.cached_attention(query, cache[0], cache[1], visible, attn.scaling))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        hidden = drafter.norm(hidden)
+            hidden = hidden + layer.mlp(self._norm(layer.post_attention_layernorm, hidden))
+        hidden = self._norm(drafter.norm, hidden)
         logits = drafter.compute_logits(hidden[1:], self.engine.lm_head)
         self.logits.copy_(logits)
         self.drafts.copy_(logits.argmax(dim=-1))
         self.context.copy_(anchor)
         self.pending.zero_()
+
+    def _norm(self, module, x):
+        return self.norms[id(module)](x)
 
     def _visible(self, attn, positions: torch.Tensor) -> torch.Tensor:
         """(bs, slots): the context and the whole block, narrowed by the layer's causal / sliding-window rule."""

@@ -25,8 +25,47 @@ def _fla_rules():
     return mod.chunk_gated_delta_rule, mod.fused_recurrent_gated_delta_rule
 
 
+@functools.cache
+def _fla_rms_norm():
+    try:
+        return importlib.import_module("fla.modules.norm.layernorm").rms_norm
+    except Exception:
+        return None
+
+
 def _use_fla(t: torch.Tensor) -> bool:
     return t.is_cuda and t.dtype in (torch.float16, torch.bfloat16, torch.float32) and _fla_rules() is not None
+
+
+class Norm:
+    """An RMSNorm module, run as one fused kernel (fla's Triton RMSNorm) on the GPU when it is one.
+
+    transformers' RMSNorms differ in their weight (Qwen3.5's is zero-centred: `1 + w`) and rounding; instead of
+    trusting class names, the effective weight is found by probing the module in float32 against
+    `x * rsqrt(mean(x^2) + eps) * w` for both forms. Anything else keeps the module's own forward.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.weight: torch.Tensor | None = None
+        self.eps = float(getattr(module, "eps", getattr(module, "variance_epsilon", 1e-6)))
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.dim() != 1 or not weight.is_cuda or _fla_rms_norm() is None:
+            return
+        generator = torch.Generator(device=weight.device).manual_seed(0)  # not the caller's random stream
+        probe = torch.randn(4, weight.shape[0], device=weight.device, generator=generator)
+        with torch.inference_mode():
+            got = module(probe)
+            normed = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + self.eps)
+            for candidate in (1.0 + weight.float(), weight.float()):
+                if got.dtype == torch.float32 and torch.allclose(got, normed * candidate, rtol=1e-5, atol=1e-5):
+                    self.weight = candidate.contiguous()
+                    break
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None or not x.is_cuda:
+            return self.module(x)
+        return _fla_rms_norm()(x, self.weight, None, eps=self.eps)
 
 
 def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -88,6 +127,17 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias
     return F.silu(y).to(x.dtype).transpose(0, 1)
 
 
+def causal_conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """One token: SiLU(conv) of x (1, D) after `state` (D, W-1), which advances by that token in place."""
+    if x.is_cuda:
+        from flashdraft import kernels
+
+        return kernels.causal_conv1d_update(x, state[None], weight, bias, activation="silu")
+    y = causal_conv(x, state, weight, bias)
+    state.copy_(conv_window(state, x)[:, 1:])
+    return y
+
+
 def conv_tail(state: torch.Tensor, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """The conv state after the first `keep` (0-d long tensor) of the T inputs x (T, D): the last W-1 of them."""
     window = conv_window(state, x)
@@ -120,20 +170,33 @@ def delta_rule_loop(q, k, v, g, beta, state, output_final_state: bool):
     return out, (s if output_final_state else None)
 
 
-def delta_rule(q, k, v, g, beta, state, output_final_state: bool, chunked: bool = False):
-    """Gated delta rule continuing from `state` (shapes of `delta_rule_loop`); fla's kernels on the GPU.
+def log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5's log decay g from the raw projection a (T, HV), transformers' arithmetic; a = -inf gives g = -0."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+
+
+def delta_rule(q, k, v, a, beta, A_log, dt_bias, state, output_final_state: bool, chunked: bool = False):
+    """Gated delta rule continuing from `state`; the decay comes from the raw projection a (T, HV) (`log_decay`),
+    other shapes as in `delta_rule_loop`. fla's kernels on the GPU.
 
     chunked: fla's chunk kernel (long prefills); otherwise the fused recurrent one, which is what decoding and
-    verification use, so that a verified prefix and the same tokens decoded one by one compute alike.
+    verification use, so that a verified prefix and the same tokens decoded one by one compute alike. The fused
+    kernel computes the decay itself (fewer launches per step).
     """
     if not _use_fla(v):
-        return delta_rule_loop(q, k, v, g, beta, state, output_final_state)
+        return delta_rule_loop(q, k, v, log_decay(a, A_log, dt_bias), beta, state, output_final_state)
     chunk, recurrent = _fla_rules()
-    fn = chunk if chunked else recurrent
-    out, final = fn(
-        q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=state[None],
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
-    )  # fmt: skip
+    if chunked:
+        out, final = chunk(
+            q[None], k[None], v[None], g=log_decay(a, A_log, dt_bias)[None], beta=beta[None],
+            initial_state=state[None], output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+    else:
+        out, final = recurrent(
+            q[None], k[None], v[None], g=a[None], beta=beta[None], initial_state=state[None],
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            A_log=A_log, dt_bias=dt_bias,
+        )  # fmt: skip
     return out[0], (final[0] if final is not None else None)
 
 

@@ -81,7 +81,7 @@ class _LinearState:
         self.recurrent = torch.zeros(heads_v, k_dim, v_dim, dtype=state_dtype, device=device)
         self.block_inputs = torch.zeros(block_size, conv_dim, dtype=dtype, device=device)  # before the conv
         self.block_qkv = torch.zeros(block_size, conv_dim, dtype=dtype, device=device)  # after the conv
-        self.block_g = torch.zeros(block_size, heads_v, dtype=torch.float32, device=device)
+        self.block_a = torch.zeros(block_size, heads_v, dtype=dtype, device=device)  # raw decay projection
         self.block_beta = torch.zeros(block_size, heads_v, dtype=dtype, device=device)
 
 
@@ -108,6 +108,12 @@ class TargetEngine:
         self.inner = text_model(target)
         self.lm_head = target.get_output_embeddings()
         self.layers = list(self.inner.layers)
+        # Every RMSNorm, fused on the GPU (ops.Norm); keyed by module.
+        self.norms = {
+            id(m): ops.Norm(m)
+            for m in target.modules()
+            if "RMSNorm" in type(m).__name__ and "Gated" not in type(m).__name__
+        }
         first = next(target.parameters())
         self.device, self.dtype = first.device, first.dtype
         self.block_size = block_size
@@ -137,7 +143,6 @@ class TargetEngine:
         # Static inputs and outputs of the steps.
         self.length = torch.zeros((), dtype=torch.long, device=dev)
         self.keep = torch.ones((), dtype=torch.long, device=dev)
-        self.one = torch.ones((), dtype=torch.long, device=dev)
         self.decode_ids = torch.zeros(1, dtype=torch.long, device=dev)
         self.verify_ids = torch.zeros(block_size, dtype=torch.long, device=dev)
         self.decode_logits = torch.zeros(1, vocab, dtype=dt, device=dev)
@@ -235,15 +240,15 @@ class TargetEngine:
             self.features.copy_(torch.cat(features, dim=-1))
 
     def _commit(self) -> None:
-        accepted = (self.block_index < self.keep).to(torch.float32)
+        rejected = (self.block_index >= self.keep)[:, None]
         for i, state in self.linear.items():
             module = self.layers[i].linear_attn
             state.conv.copy_(ops.conv_tail(state.conv, state.block_inputs, self.keep))
-            q, k, v = self._split_qkv(module, state.block_qkv)
-            # beta = 0 and g = 0 past `keep`: those steps leave the state exactly as it was.
-            g = state.block_g * accepted[:, None]
-            beta = state.block_beta * accepted[:, None].to(state.block_beta.dtype)
-            _, final = ops.delta_rule(k, k, v, g, beta, state.recurrent, output_final_state=True)
+            _, k, v = self._split_qkv(module, state.block_qkv)
+            # beta = 0 and decay 1 (a = -inf: g = -0) past `keep`: those steps leave the state exactly as it was.
+            a = state.block_a.masked_fill(rejected, float("-inf"))
+            beta = state.block_beta.masked_fill(rejected, 0)
+            _, final = ops.delta_rule(k, k, v, a, beta, module.A_log, module.dt_bias, state.recurrent, True)
             state.recurrent.copy_(final)
         self.length.add_(self.keep)
 
@@ -257,16 +262,19 @@ class TargetEngine:
         features = []
         for i, layer in enumerate(self.layers):
             residual = hidden
-            x = layer.input_layernorm(hidden)[0]
+            x = self._norm(layer.input_layernorm, hidden)[0]
             if i in self.linear:
                 x = self._linear_attention(i, layer.linear_attn, x, mode)
             else:
                 x = self._attention(i, layer.self_attn, x, positions, cos, sin, visible)
             hidden = residual + x[None]
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + layer.mlp(self._norm(layer.post_attention_layernorm, hidden))
             if i in self.feature_layers:
                 features.append(hidden[0])
-        return self.inner.norm(hidden)[0], features
+        return self._norm(self.inner.norm, hidden)[0], features
+
+    def _norm(self, module, x):
+        return self.norms[id(module)](x)
 
     def _attention(self, i: int, attn, x, positions, cos, sin, visible) -> torch.Tensor:
         length, dim = x.shape[0], attn.head_dim
@@ -278,8 +286,8 @@ class TargetEngine:
             gate = gate.reshape(length, -1)
         else:
             query = projected.view(length, -1, dim)
-        query = attn.q_norm(query).transpose(0, 1)
-        key = attn.k_norm(attn.k_proj(x).view(length, -1, dim)).transpose(0, 1)
+        query = self._norm(attn.q_norm, query).transpose(0, 1)
+        key = self._norm(attn.k_norm, attn.k_proj(x).view(length, -1, dim)).transpose(0, 1)
         value = attn.v_proj(x).view(length, -1, dim).transpose(0, 1)
         # The family's own RoPE function (partial rotary for Qwen3.5), on (1, heads, T, d).
         rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
@@ -314,23 +322,23 @@ class TargetEngine:
         z = module.in_proj_z(x)
         b, a = module.in_proj_b(x), module.in_proj_a(x)
         weight = module.conv1d.weight.squeeze(1)
-        qkv = ops.causal_conv(inputs, state.conv, weight, module.conv1d.bias)
+        if mode == "decode":
+            qkv = ops.causal_conv_step(inputs, state.conv, weight, module.conv1d.bias)  # advances the window
+        else:
+            qkv = ops.causal_conv(inputs, state.conv, weight, module.conv1d.bias)
         beta = b.sigmoid()
-        g = -module.A_log.float().exp() * torch.nn.functional.softplus(a.float() + module.dt_bias)
         q, k, v = self._split_qkv(module, qkv)
         advance = mode != "verify"
-        out, final = ops.delta_rule(
-            q, k, v, g, beta, state.recurrent, output_final_state=advance, chunked=mode == "prefill"
-        )
+        out, final = ops.delta_rule(q, k, v, a, beta, module.A_log, module.dt_bias, state.recurrent,
+                                    output_final_state=advance, chunked=mode == "prefill")  # fmt: skip
+        if mode == "prefill":
+            state.conv.copy_(ops.conv_tail(state.conv, inputs, self.prefill_keep))
         if advance:
-            # Decode keeps its one token; a prefill all of its tokens.
-            keep = self.one if mode == "decode" else self.prefill_keep
-            state.conv.copy_(ops.conv_tail(state.conv, inputs, keep))
             state.recurrent.copy_(final)
         else:
             state.block_inputs.copy_(inputs)
             state.block_qkv.copy_(qkv)
-            state.block_g.copy_(g)
+            state.block_a.copy_(a)
             state.block_beta.copy_(beta)
         out = module.norm(out.reshape(-1, module.head_v_dim).to(x.dtype), z.reshape(-1, module.head_v_dim))
         return module.out_proj(out.reshape(length, -1))
