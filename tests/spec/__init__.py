@@ -139,5 +139,5 @@ def reference_greedy(target, prompt: torch.Tensor, max_new_tokens: int, stop_tok
         out.append(token)
         if token in stop_token_ids:
             break
-        ids = torch.tensor([[token]])
+        ids = torch.tensor([[token]], device=prompt.device)
     return out

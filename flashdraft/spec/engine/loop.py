@@ -86,6 +86,18 @@ def session(
     return created
 
 
+def prepare(
+    target: torch.nn.Module, max_len: int, block_size: int, drafter: torch.nn.Module | None = None, graphs=None
+) -> Session:
+    """Build (and capture) the session that decoding up to `max_len` tokens will use, ahead of timed runs."""
+    graphs = next(target.parameters()).device.type == "cuda" if graphs is None else graphs
+    layers = list(drafter.target_layer_ids) if drafter is not None else None
+    sess = session(target, max_len, block_size, layers, graphs)
+    if drafter is not None:
+        sess.runner(drafter)
+    return sess
+
+
 def engine_available(target: torch.nn.Module) -> str | None:
     """None if the engine can decode `target`, else why not."""
     return unsupported_reason(target)

@@ -26,7 +26,7 @@ def setup(request):
         if mark.name == "skipif" and mark.args[0]:
             pytest.skip(mark.kwargs["reason"])
     target = tiny_target(family, seed=11, dtype=dtype).to(device)
-    drafter = random_drafter(target, block_size=16, seed=12)
+    drafter = random_drafter(target, block_size=16, seed=12).to(device)
     g = torch.Generator().manual_seed(13)
     with ready(target):
         cases = []
@@ -126,7 +126,7 @@ def test_speculative_sampling_equals_target_distribution(case, config):
     target = tiny_target(family, num_layers=4, vocab_size=VOCAB8, seed=3, dtype=torch.float32).to(device)
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(30)
-    drafter = random_drafter(target, block_size=3, seed=4)
+    drafter = random_drafter(target, block_size=3, seed=4).to(device)
     trials = 1500
     g = torch.Generator(device=device).manual_seed(5)
     counts = torch.zeros(VOCAB8, VOCAB8)

@@ -14,16 +14,22 @@ FAMILIES = ["qwen3_5", "qwen3"]
 
 
 @torch.inference_mode()
-def _reference_logits(target, ids: torch.Tensor) -> torch.Tensor:
-    """Logits of every position: one forward of the whole sequence, no cache (float64 on the CPU: exact)."""
-    reference = target if target.device.type == "cpu" else _cpu_copy(target)
-    return reference(ids[None].cpu()).logits[0].to(torch.float64)
+def _reference_logits(target, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Logits of every position from `prompt - 1` on, by transformers.
 
+    On the CPU (float64): one forward of the whole sequence without a cache, exact. On a GPU: the prompt, then
+    one cached forward per token — the same kernels as the engine (fla's chunk for the prompt, its fused
+    recurrent kernel per token), so that the comparison is not blurred by TF32 inside fla's chunk kernel.
+    """
+    if ids.device.type == "cpu":
+        return target(ids[None]).logits[0, prompt - 1 :].to(torch.float64)
+    from transformers import DynamicCache
 
-def _cpu_copy(target):
-    import copy
-
-    return copy.deepcopy(target).to("cpu", torch.float64)
+    cache = DynamicCache(config=target.config)
+    rows = [target(ids[None, :prompt], past_key_values=cache, use_cache=True).logits[0, -1:]]
+    for i in range(prompt, ids.shape[0]):
+        rows.append(target(ids[None, i : i + 1], past_key_values=cache, use_cache=True).logits[0])
+    return torch.cat(rows).to(torch.float64)
 
 
 def _engine(target, graphs: bool, **kwargs) -> TargetEngine:
@@ -42,18 +48,19 @@ def test_every_step_equals_a_full_forward_without_cache(family, config):
     target = tiny_target(family, seed=1, dtype=dtype).to(device)
     bs = 5
     g = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, 256, (120,), generator=g)
+    ids = torch.randint(0, 256, (120,), generator=g).to(device)
+    n = prompt = 37  # odd prompt length; the cache holds tokens [0, n)
     with ready(target):
-        expected = _reference_logits(target, ids)
+        expected = _reference_logits(target, ids, prompt)
         engine = _engine(target, graphs, max_len=128, block_size=bs)
         atol = ATOL[dtype] * max(1.0, float(expected.abs().max()))
 
         def check(got, first, what):
-            err = (got.double().cpu() - expected[first : first + got.shape[0]]).abs().max().item()
+            rows = expected[first - (prompt - 1) : first - (prompt - 1) + got.shape[0]]
+            err = (got.double() - rows.to(got.device)).abs().max().item()
             assert err <= atol, f"{what}: max error {err:.3g} > {atol:.3g}"
 
-        n = 37  # odd prompt length; the cache holds tokens [0, n)
-        check(engine.prefill(ids[:n].to(device))[None], n - 1, "prefill")
+        check(engine.prefill(ids[:n])[None], n - 1, "prefill")
         for _ in range(3):
             engine.decode_ids.fill_(int(ids[n]))
             engine.decode()
