@@ -78,6 +78,7 @@ class DrafterRunner:
         self.context.fill_(features.shape[0])
         self.pending.zero_()
 
+    @torch.inference_mode()
     def draft(self) -> None:
         """Add the pending features, then draft after `block_ids[0]`: `logits`, `drafts` (greedy)."""
         self.step()

@@ -18,7 +18,6 @@ feature layers are needed, so that the CUDA graphs are captured once for many ge
 from __future__ import annotations
 
 import time
-import weakref
 
 import torch
 
@@ -51,17 +50,28 @@ class Session:
         return runner
 
 
-_SESSIONS: weakref.WeakKeyDictionary[torch.nn.Module, Session] = weakref.WeakKeyDictionary()
+# The session lives on its target (an attribute, so that both are freed together).
+_ATTRIBUTE = "_flashdraft_engine_session"
+
+
+def current_session(target: torch.nn.Module) -> Session | None:
+    return target.__dict__.get(_ATTRIBUTE)
+
+
+def drop_session(target: torch.nn.Module) -> None:
+    """Free the target's engine (caches, graphs)."""
+    if target.__dict__.pop(_ATTRIBUTE, None) is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def session(
     target: torch.nn.Module, max_len: int, block_size: int | None, feature_layers: list[int] | None, graphs: bool
 ) -> Session:
-    """The cached session of `target` if it fits, else a new one (the old one is dropped first, to free memory).
+    """The session of `target` if it fits, else a new one (the old one is dropped first, to free memory).
 
     block_size None: any (autoregressive decoding uses only the one-token step); a new session then gets 16.
     """
-    current = _SESSIONS.get(target)
+    current = current_session(target)
     layers = sorted(feature_layers or [])
     if current is not None:
         engine = current.engine
@@ -76,13 +86,12 @@ def session(
         layers = layers or engine.feature_layers
         max_len = max(max_len, engine.max_len)
         block_size = block_size or engine.block_size
-        del _SESSIONS[target], current, engine
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        del current, engine
+        drop_session(target)
     block_size = block_size or 16
     max_len = -(-max_len // LENGTH_QUANTUM) * LENGTH_QUANTUM
     created = Session(TargetEngine(target, max_len, block_size, layers), graphs)
-    _SESSIONS[target] = created
+    target.__dict__[_ATTRIBUTE] = created
     return created
 
 

@@ -193,12 +193,14 @@ class TargetEngine:
         self.num_tokens = length
         return self.lm_head(hidden[-1:])[0]
 
+    @torch.inference_mode()
     def decode(self) -> None:
         """One token (`decode_ids`) at position `length`; its logits into `decode_logits`; length += 1."""
         self._check_room(1)
         self.steps["decode"]()
         self.num_tokens += 1
 
+    @torch.inference_mode()
     def verify(self) -> None:
         """The block `verify_ids` at positions `length` ..; logits into `verify_logits`, features into `features`.
 
@@ -207,6 +209,7 @@ class TargetEngine:
         self._check_room(self.block_size)
         self.steps["verify"]()
 
+    @torch.inference_mode()
     def commit(self) -> None:
         """Keep the first `keep` (a device tensor, 1 .. block_size) tokens of the last verified block.
 

@@ -113,7 +113,7 @@ def test_every_acceptance_length_and_stops(setup, block_size, error_rate):
             result = generate(target, drafter, prompt, max_new, block_size=block_size, stop_token_ids=[stop],
                               engine=True)  # fmt: skip
             assert result.tokens == cut and result.stopped
-        del loop._SESSIONS[target]  # drop the scripted runners
+        loop.drop_session(target)  # and the scripted runners with it
     assert {0, block_size - 1} <= seen
 
 
