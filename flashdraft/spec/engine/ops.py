@@ -103,6 +103,17 @@ def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return out[0].transpose(0, 1).reshape(length, heads * dim)
 
 
+def _triton_conv(x: torch.Tensor) -> bool:
+    """Whether the conv runs flashdraft's Triton kernels (on CUDA; tests may also route the interpreter here)."""
+    return x.is_cuda
+
+
+def _kernels():
+    from flashdraft import kernels
+
+    return kernels
+
+
 def conv_window(state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The conv inputs `[state, x]`: state (D, W-1) and x (T, D) -> (D, W-1+T)."""
     return torch.cat([state, x.transpose(0, 1).to(state.dtype)], dim=-1)
@@ -113,11 +124,9 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias
 
     The state is not modified (see `conv_tail`).
     """
-    if x.is_cuda:
-        from flashdraft import kernels
-
+    if _triton_conv(x):
         # Our Triton kernel reads x as a channel-last view (no copy) and the state as its initial inputs.
-        y = kernels.causal_conv1d_fn(
+        y = _kernels().causal_conv1d_fn(
             x.transpose(0, 1)[None], weight, bias, initial_states=state[None].to(x.dtype), activation="silu"
         )
         return y[0].transpose(0, 1)
@@ -129,10 +138,8 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias
 
 def causal_conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """One token: SiLU(conv) of x (1, D) after `state` (D, W-1), which advances by that token in place."""
-    if x.is_cuda:
-        from flashdraft import kernels
-
-        return kernels.causal_conv1d_update(x, state[None], weight, bias, activation="silu")
+    if _triton_conv(x):
+        return _kernels().causal_conv1d_update(x, state[None], weight, bias, activation="silu")
     y = causal_conv(x, state, weight, bias)
     state.copy_(conv_window(state, x)[:, 1:])
     return y

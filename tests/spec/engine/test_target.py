@@ -120,3 +120,42 @@ def test_bad_arguments():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA graphs need a CUDA target"):
             engine.capture()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA configuration runs these kernels for real")
+def test_the_gpu_conv_kernels_roll_back_exactly_too(monkeypatch):
+    """The engine's GPU conv path (flashdraft's Triton conv with initial states, and its one-token update), run
+    under the Triton interpreter in float32: same logits as transformers through decode, verify and commit."""
+    import importlib.util
+    from pathlib import Path
+
+    from flashdraft.spec.engine import ops
+
+    # tests/kernels/conftest.py imports an interpreted copy of flashdraft.kernels (and leaves the real one alone).
+    spec = importlib.util.spec_from_file_location(
+        "_kernels_conftest", Path(__file__).parents[2] / "kernels/conftest.py"
+    )
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    KERNELS = conftest.KERNELS
+    monkeypatch.setattr(ops, "_triton_conv", lambda x: True)
+    monkeypatch.setattr(ops, "_kernels", lambda: KERNELS)
+    target = tiny_target("qwen3_5", seed=1, dtype=torch.float32)
+    ids = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(2))
+    with ready(target), torch.inference_mode():
+        expected = target(ids[None]).logits[0]
+        engine = TargetEngine(target, max_len=64, block_size=5)
+        n = 17
+        torch.testing.assert_close(engine.prefill(ids[:n]), expected[n - 1], rtol=0, atol=1e-5)
+        for keep in [1, 3, 5, 2]:
+            engine.decode_ids.fill_(int(ids[n]))
+            engine.decode()
+            torch.testing.assert_close(engine.decode_logits[0], expected[n], rtol=0, atol=1e-5)
+            n += 1
+            engine.verify_ids.copy_(ids[n : n + 5])
+            engine.verify()
+            torch.testing.assert_close(engine.verify_logits, expected[n : n + 5], rtol=0, atol=1e-5)
+            engine.keep.fill_(keep)
+            engine.commit()
+            engine.note_committed(keep)
+            n += keep
