@@ -126,7 +126,7 @@ def engine_numbers(target, drafter, ids: torch.Tensor, graphs: bool, iters: int)
     logits = engine.prefill(ids[0])
     runner.prefill(engine.prompt_features)
     runner.block_ids[0] = int(logits.argmax())
-    out = {"slots": engine.slots}
+    out = {"slots": engine.slots, "captured": sess.captured, "capture_error": sess.capture_error}
 
     def round_():
         runner.draft()
@@ -266,6 +266,10 @@ def print_table(report: dict, smoke: bool) -> None:
     row("engine decode speedup vs transformers", lambda r: r["hf"]["decode_ms"] / r["engine"]["decode_ms"], "{:.1f}x")
     row("engine round speedup vs dflash_generate",
         lambda r: r["dflash_reference"]["round_ms"] / r["engine"]["round_ms"], "{:.1f}x")  # fmt: skip
+    for ctx in ctxs:
+        engine = report["contexts"][ctx]["engine"]
+        if not smoke and not engine["captured"]:
+            print(f"WARNING ctx {ctx}: CUDA graphs were not captured ({engine['capture_error']}): eager engine timings")
     c = report["checks"]
     print(f"checks: engine vs transformers logits rel. err. prefill {c['prefill_logits_rel_err']:.2e}, decode "
           f"{c['decode_logits_rel_err']:.2e}, same argmax {c['same_argmax']}; DFlash ({c['backend']}) == engine "

@@ -18,6 +18,7 @@ feature layers are needed, so that the CUDA graphs are captured once for many ge
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -36,16 +37,32 @@ class Session:
     def __init__(self, engine: TargetEngine, graphs: bool):
         self.engine, self.graphs = engine, graphs
         self.runners: dict[int, DrafterRunner] = {}
+        # Why a capture failed (the steps then run eagerly: slower, same results); None if none did.
+        self.capture_error: str | None = None
         if graphs:
-            engine.capture()
+            self._capture(engine)
+
+    def _capture(self, owner) -> None:
+        try:
+            owner.capture()
+        except Exception as exc:  # a kernel that cannot be captured must not cost the user the generation
+            self.capture_error = f"{type(exc).__name__}: {exc}"
+            for step in getattr(owner, "steps", {"draft": getattr(owner, "step", None)}).values():
+                step.reset()
+            warnings.warn(f"flashdraft engine: CUDA graph capture failed, running eagerly ({self.capture_error})",
+                          stacklevel=3)  # fmt: skip
+
+    @property
+    def captured(self) -> bool:
+        return self.engine.captured and all(r.step.graph is not None for r in self.runners.values())
 
     def runner(self, drafter: torch.nn.Module) -> DrafterRunner:
         key = id(drafter)
         runner = self.runners.get(key)
         if runner is None or runner.drafter is not drafter:
             runner = DrafterRunner(drafter, self.engine)
-            if self.graphs:
-                runner.capture()
+            if self.graphs and self.capture_error is None:
+                self._capture(runner)
             self.runners[key] = runner
         return runner
 
@@ -148,8 +165,7 @@ def engine_decode(
     device = next(target.parameters()).device
     graphs = device.type == "cuda" if graphs is None else graphs
     prompt = input_ids.reshape(-1)
-    result = GenerationResult(tokens=[], num_prompt_tokens=prompt.shape[0])
-    result.backend = "engine+graphs" if graphs else "engine"
+    result = GenerationResult(tokens=[], num_prompt_tokens=prompt.shape[0], backend="engine")
     if max_new_tokens == 0:
         return result
     speculative = drafter is not None or lookup is not None
@@ -159,6 +175,7 @@ def engine_decode(
     sess = session(target, prompt.shape[0] + max_new_tokens, block_size if speculative else None, layers, graphs)
     engine = sess.engine
     runner = sess.runner(drafter) if drafter is not None else None
+    result.backend = "engine+graphs" if sess.captured else "engine"
     stops = set(stop_token_ids or ())
     sampling = (temperature, top_p, top_k)
 

@@ -165,3 +165,17 @@ def test_engine_flag():
     target = tiny_target("qwen3", seed=0)
     with ready(target):
         assert generate(target, random_drafter(target, block_size=4), prompt, 3).backend == "plain"  # CPU: auto = plain
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CPU, capturing fails for certain")
+def test_a_failed_capture_warns_and_runs_eagerly():
+    target = tiny_target("qwen3", seed=0)
+    drafter = random_drafter(target, block_size=4)
+    prompt = torch.tensor([[1, 2, 3]])
+    with ready(target):
+        with pytest.warns(UserWarning, match="capture failed"):
+            sess = loop.prepare(target, 64, 4, drafter, graphs=True)
+        assert "CUDA" in sess.capture_error and not sess.captured
+        result = loop.engine_decode(target, prompt, 8, drafter=drafter, block_size=4, graphs=True)
+        assert result.backend == "engine" and result.tokens == reference_greedy(target, prompt, 8)
+    loop.drop_session(target)
