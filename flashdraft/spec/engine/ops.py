@@ -115,8 +115,8 @@ def _kernels():
 
 
 def conv_window(state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The conv inputs `[state, x]`: state (D, W-1) and x (T, D) -> (D, W-1+T)."""
-    return torch.cat([state, x.transpose(0, 1).to(state.dtype)], dim=-1)
+    """The conv inputs `[state, x]`: state (..., D, W-1) and x (..., T, D) -> (..., D, W-1+T)."""
+    return torch.cat([state, x.transpose(-1, -2).to(state.dtype)], dim=-1)
 
 
 def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -146,10 +146,11 @@ def causal_conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
 
 
 def conv_tail(state: torch.Tensor, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """The conv state after the first `keep` (0-d long tensor) of the T inputs x (T, D): the last W-1 of them."""
+    """The conv state (..., D, W-1) after the first `keep` (0-d long tensor) of the T inputs x (..., T, D): the
+    last W-1 inputs of `[state, x[:keep]]`."""
     window = conv_window(state, x)
     index = keep + torch.arange(state.shape[-1], device=state.device)
-    return window.index_select(1, index)
+    return window.index_select(window.dim() - 1, index)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -14,8 +14,8 @@ tensor (`length`), so one captured graph serves every context length.
 
 Exact rollback. A verification reads the linear-attention states but does not advance them; it keeps what the
 recurrence consumes (the conv inputs, keys, values, decays and betas of the block). `commit` then advances the
-states over exactly the first `keep` tokens: the conv window is the last W-1 of `[state, inputs[:keep]]`, and
-the delta rule runs over the block with beta = 0 and decay = 1 (g = 0) after `keep`. Such a step leaves the
+states over exactly the first `keep` tokens, all layers at once: the conv window is the last W-1 of
+`[state, inputs[:keep]]`, and the delta rule runs over the block with beta = 0 and decay = 1 (g = 0) after `keep`. Such a step leaves the
 state bit for bit unchanged (S * 1 + k * 0), so the committed state is the one that the same kernel reaches
 over the `keep` tokens alone; the attention layers only need `length` advanced (rows past it are masked and
 later overwritten). tests/spec/engine prove the result equal to a no-cache forward of the whole sequence.
@@ -71,18 +71,40 @@ def unsupported_reason(target: torch.nn.Module) -> str | None:
     return None
 
 
-class _LinearState:
-    """Static buffers of one Gated DeltaNet layer: its states and what a verification keeps for `commit`."""
+class _LinearStates:
+    """Static buffers of all Gated DeltaNet layers: their states and what a verification keeps for `commit`.
 
-    def __init__(self, module, block_size: int, dtype, state_dtype, device):
-        conv_dim, width = module.conv1d.weight.shape[0], module.conv1d.weight.shape[-1]
-        heads_v, k_dim, v_dim = module.num_v_heads, module.head_k_dim, module.head_v_dim
-        self.conv = torch.zeros(conv_dim, width - 1, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(heads_v, k_dim, v_dim, dtype=state_dtype, device=device)
-        self.block_inputs = torch.zeros(block_size, conv_dim, dtype=dtype, device=device)  # before the conv
-        self.block_qkv = torch.zeros(block_size, conv_dim, dtype=dtype, device=device)  # after the conv
-        self.block_a = torch.zeros(block_size, heads_v, dtype=dtype, device=device)  # raw decay projection
-        self.block_beta = torch.zeros(block_size, heads_v, dtype=dtype, device=device)
+    The layers share their shapes, so the buffers are stacked: a layer's states are contiguous views, and `commit`
+    advances every layer at once — the delta rule runs over all layers' heads side by side (layer l's value head j
+    is head l * HV + j, and its key head lands where the kernel's grouping expects it), a handful of kernels per
+    round instead of a handful per layer.
+    """
+
+    def __init__(self, modules: dict[int, torch.nn.Module], block_size: int, dtype, state_dtype, device):
+        first = next(iter(modules.values()))
+        conv_dim, width = first.conv1d.weight.shape[0], first.conv1d.weight.shape[-1]
+        count, heads_k, heads_v = len(modules), first.num_k_heads, first.num_v_heads
+        k_dim, v_dim = first.head_k_dim, first.head_v_dim
+        for i, m in modules.items():
+            if (m.conv1d.weight.shape[0], m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim) != (
+                conv_dim,
+                heads_k,
+                heads_v,
+                k_dim,
+                v_dim,
+            ):
+                raise ValueError(f"layer {i}: Gated DeltaNet shapes differ from layer {next(iter(modules))}'s")
+        self.slot = {i: j for j, i in enumerate(modules)}
+        self.conv = torch.zeros(count, conv_dim, width - 1, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(count, heads_v, k_dim, v_dim, dtype=state_dtype, device=device)
+        self.block_inputs = torch.zeros(count, block_size, conv_dim, dtype=dtype, device=device)  # conv inputs
+        self.block_k = torch.zeros(block_size, count, heads_k, k_dim, dtype=dtype, device=device)
+        self.block_v = torch.zeros(block_size, count, heads_v, v_dim, dtype=dtype, device=device)
+        self.block_a = torch.zeros(block_size, count, heads_v, dtype=dtype, device=device)  # raw decay projection
+        self.block_beta = torch.zeros(block_size, count, heads_v, dtype=dtype, device=device)
+        # Per-layer decay parameters side by side, as the stacked heads need them.
+        self.A_log = torch.cat([m.A_log.detach() for m in modules.values()])
+        self.dt_bias = torch.cat([m.dt_bias.detach() for m in modules.values()])
 
 
 class TargetEngine:
@@ -126,11 +148,10 @@ class TargetEngine:
         dev, dt = self.device, self.dtype
         state_dtype = torch.float64 if dt == torch.float64 else torch.float32
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.linear: dict[int, _LinearState] = {}
+        linear = {i: layer.linear_attn for i, layer in enumerate(self.layers) if hasattr(layer, "linear_attn")}
+        self.linear = _LinearStates(linear, block_size, dt, state_dtype, dev) if linear else None
         for i, layer in enumerate(self.layers):
-            if hasattr(layer, "linear_attn"):
-                self.linear[i] = _LinearState(layer.linear_attn, block_size, dt, state_dtype, dev)
-            else:
+            if not hasattr(layer, "linear_attn"):
                 attn = layer.self_attn
                 kv_heads = attn.k_proj.out_features // attn.head_dim
                 shape = (kv_heads, self.slots, attn.head_dim)
@@ -183,9 +204,9 @@ class TargetEngine:
         if not 0 < length <= self.max_len:
             raise ValueError(f"prompt of {length} tokens: the engine holds 1 .. max_len={self.max_len} tokens")
         positions = torch.arange(length, device=self.device)
-        for state in self.linear.values():
-            state.conv.zero_()
-            state.recurrent.zero_()
+        if self.linear is not None:
+            self.linear.conv.zero_()
+            self.linear.recurrent.zero_()
         self.prefill_keep = torch.tensor(length, device=self.device)
         hidden, features = self._forward(ids.to(self.device), positions, mode="prefill")
         self.prompt_features = torch.cat(features, dim=-1) if features else None
@@ -243,17 +264,22 @@ class TargetEngine:
             self.features.copy_(torch.cat(features, dim=-1))
 
     def _commit(self) -> None:
-        rejected = (self.block_index >= self.keep)[:, None]
-        for i, state in self.linear.items():
-            module = self.layers[i].linear_attn
-            state.conv.copy_(ops.conv_tail(state.conv, state.block_inputs, self.keep))
-            _, k, v = self._split_qkv(module, state.block_qkv)
-            # beta = 0 and decay 1 (a = -inf: g = -0) past `keep`: those steps leave the state exactly as it was.
-            a = state.block_a.masked_fill(rejected, float("-inf"))
-            beta = state.block_beta.masked_fill(rejected, 0)
-            _, final = ops.delta_rule(k, k, v, a, beta, module.A_log, module.dt_bias, state.recurrent, True)
-            state.recurrent.copy_(final)
         self.length.add_(self.keep)
+        states = self.linear
+        if states is None:
+            return
+        states.conv.copy_(ops.conv_tail(states.conv, states.block_inputs, self.keep))
+        # All layers' heads side by side (see _LinearStates); beta = 0 and decay 1 (a = -inf: g = -0) past `keep`:
+        # those steps leave the state exactly as it was.
+        rejected = (self.block_index >= self.keep)[:, None]
+        length, count, heads_v = states.block_a.shape
+        k = states.block_k.view(length, count * states.block_k.shape[2], -1)
+        v = states.block_v.view(length, count * heads_v, -1)
+        a = states.block_a.view(length, -1).masked_fill(rejected, float("-inf"))
+        beta = states.block_beta.view(length, -1).masked_fill(rejected, 0)
+        recurrent = states.recurrent.view(count * heads_v, *states.recurrent.shape[2:])
+        _, final = ops.delta_rule(k, k, v, a, beta, states.A_log, states.dt_bias, recurrent, True)
+        recurrent.copy_(final)
 
     # ---- the model -------------------------------------------------------------------------------------------
 
@@ -266,7 +292,7 @@ class TargetEngine:
         for i, layer in enumerate(self.layers):
             residual = hidden
             x = self._norm(layer.input_layernorm, hidden)[0]
-            if i in self.linear:
+            if self.linear is not None and i in self.linear.slot:
                 x = self._linear_attention(i, layer.linear_attn, x, mode)
             else:
                 x = self._attention(i, layer.self_attn, x, positions, cos, sin, visible)
@@ -319,29 +345,31 @@ class TargetEngine:
 
     def _linear_attention(self, i: int, module, x: torch.Tensor, mode: str) -> torch.Tensor:
         """A Gated DeltaNet layer (transformers' Qwen3_5GatedDeltaNet arithmetic) over static states."""
-        state = self.linear[i]
+        states, j = self.linear, self.linear.slot[i]
+        conv, recurrent = states.conv[j], states.recurrent[j]
         length = x.shape[0]
         inputs = module.in_proj_qkv(x)
         z = module.in_proj_z(x)
         b, a = module.in_proj_b(x), module.in_proj_a(x)
         weight = module.conv1d.weight.squeeze(1)
         if mode == "decode":
-            qkv = ops.causal_conv_step(inputs, state.conv, weight, module.conv1d.bias)  # advances the window
+            qkv = ops.causal_conv_step(inputs, conv, weight, module.conv1d.bias)  # advances the window
         else:
-            qkv = ops.causal_conv(inputs, state.conv, weight, module.conv1d.bias)
+            qkv = ops.causal_conv(inputs, conv, weight, module.conv1d.bias)
         beta = b.sigmoid()
         q, k, v = self._split_qkv(module, qkv)
         advance = mode != "verify"
-        out, final = ops.delta_rule(q, k, v, a, beta, module.A_log, module.dt_bias, state.recurrent,
+        out, final = ops.delta_rule(q, k, v, a, beta, module.A_log, module.dt_bias, recurrent,
                                     output_final_state=advance, chunked=mode == "prefill")  # fmt: skip
         if mode == "prefill":
-            state.conv.copy_(ops.conv_tail(state.conv, inputs, self.prefill_keep))
+            conv.copy_(ops.conv_tail(conv, inputs, self.prefill_keep))
         if advance:
-            state.recurrent.copy_(final)
+            recurrent.copy_(final)
         else:
-            state.block_inputs.copy_(inputs)
-            state.block_qkv.copy_(qkv)
-            state.block_a.copy_(a)
-            state.block_beta.copy_(beta)
+            states.block_inputs[j].copy_(inputs)
+            states.block_k[:, j].copy_(k)
+            states.block_v[:, j].copy_(v)
+            states.block_a[:, j].copy_(a)
+            states.block_beta[:, j].copy_(beta)
         out = module.norm(out.reshape(-1, module.head_v_dim).to(x.dtype), z.reshape(-1, module.head_v_dim))
         return module.out_proj(out.reshape(length, -1))
