@@ -30,6 +30,7 @@ import sys
 
 import torch
 
+from flashdraft.fastpath.backends import gated_norm_forward
 from flashdraft.spec.engine import ops
 from flashdraft.spec.engine.graphs import Step, capture_all
 
@@ -149,6 +150,8 @@ class TargetEngine:
         state_dtype = torch.float64 if dt == torch.float64 else torch.float32
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         linear = {i: layer.linear_attn for i, layer in enumerate(self.layers) if hasattr(layer, "linear_attn")}
+        # The layers' gated output norms as one fla kernel on the GPU whether or not fastpath.enable() ran.
+        self.gated_norms = {i: gated_norm_forward(m.norm) for i, m in linear.items()}
         self.linear = _LinearStates(linear, block_size, dt, state_dtype, dev) if linear else None
         for i, layer in enumerate(self.layers):
             if not hasattr(layer, "linear_attn"):
@@ -371,5 +374,5 @@ class TargetEngine:
             states.block_v[:, j].copy_(v)
             states.block_a[:, j].copy_(a)
             states.block_beta[:, j].copy_(beta)
-        out = module.norm(out.reshape(-1, module.head_v_dim).to(x.dtype), z.reshape(-1, module.head_v_dim))
+        out = self.gated_norms[i](out.reshape(-1, module.head_v_dim).to(x.dtype), z.reshape(-1, module.head_v_dim))
         return module.out_proj(out.reshape(length, -1))
