@@ -34,6 +34,9 @@ from flashdraft.fastpath.backends import gated_norm_forward
 from flashdraft.spec.engine import ops
 from flashdraft.spec.engine.graphs import Step, capture_all
 
+# Prompts up to this length go through the fused recurrent kernel (exact float32 arithmetic; launch-bound either
+# way at this length); longer ones through fla's chunk kernel (matmul-based: TF32 for float32 inputs on a GPU).
+SHORT_PREFILL = 64
 _GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj")
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
@@ -361,9 +364,9 @@ class TargetEngine:
             qkv = ops.causal_conv(inputs, conv, weight, module.conv1d.bias)
         beta = b.sigmoid()
         q, k, v = self._split_qkv(module, qkv)
-        advance = mode != "verify"
+        advance, chunked = mode != "verify", mode == "prefill" and length > SHORT_PREFILL
         out, final = ops.delta_rule(q, k, v, a, beta, module.A_log, module.dt_bias, recurrent,
-                                    output_final_state=advance, chunked=mode == "prefill")  # fmt: skip
+                                    output_final_state=advance, chunked=chunked)  # fmt: skip
         if mode == "prefill":
             conv.copy_(ops.conv_tail(conv, inputs, self.prefill_keep))
         if advance:

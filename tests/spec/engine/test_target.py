@@ -17,19 +17,17 @@ FAMILIES = ["qwen3_5", "qwen3"]
 def _reference_logits(target, ids: torch.Tensor, prompt: int) -> torch.Tensor:
     """Logits of every position from `prompt - 1` on, by transformers.
 
-    On the CPU (float64): one forward of the whole sequence without a cache, exact. On a GPU: the prompt, then
-    one cached forward per token — the same kernels as the engine (fla's chunk for the prompt, its fused
-    recurrent kernel per token), so that the comparison is not blurred by TF32 inside fla's chunk kernel.
+    On the CPU (float64): one forward of the whole sequence without a cache, exact. On a GPU: one cached forward
+    per token (fla's fused recurrent kernel, float32 arithmetic), as the engine runs a prompt this short: a
+    multi-token forward would run fla's chunk kernel, whose TF32 matmuls would blur the comparison.
     """
     if ids.device.type == "cpu":
         return target(ids[None]).logits[0, prompt - 1 :].to(torch.float64)
     from transformers import DynamicCache
 
     cache = DynamicCache(config=target.config)
-    rows = [target(ids[None, :prompt], past_key_values=cache, use_cache=True).logits[0, -1:]]
-    for i in range(prompt, ids.shape[0]):
-        rows.append(target(ids[None, i : i + 1], past_key_values=cache, use_cache=True).logits[0])
-    return torch.cat(rows).to(torch.float64)
+    rows = [target(ids[None, i : i + 1], past_key_values=cache, use_cache=True).logits[0] for i in range(len(ids))]
+    return torch.cat(rows[prompt - 1 :]).to(torch.float64)
 
 
 def _engine(target, graphs: bool, **kwargs) -> TargetEngine:
