@@ -259,7 +259,7 @@ def print_table(report: dict, smoke: bool) -> None:
     row("dflash_generate round (anchor)", lambda r: r["dflash_reference"]["round_ms"])
     row("**engine decode step** (P7a: <= 25 / 30)", lambda r: r["engine"]["decode_ms"])
     row("engine verify 16", lambda r: r["engine"]["verify16_ms"])
-    row("engine draft (drafter, 5 layers + LM head)", lambda r: r["engine"]["draft_ms"])
+    row("engine draft (drafter + LM head on 15 rows)", lambda r: r["engine"]["draft_ms"])
     row("engine commit (exact rollback)", lambda r: r["engine"]["commit_ms"])
     row("**engine round** (draft + verify + accept + commit + read)", lambda r: r["engine"]["round_ms"])
     row("round / engine decode step (P7b: <= 1.3)", lambda r: r["engine"]["round_ms"] / r["engine"]["decode_ms"])
