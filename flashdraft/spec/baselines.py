@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from flashdraft.spec.generate import GenerationResult, speculative_decode
+from flashdraft.spec.generate import GenerationResult, speculative_decode, use_engine
 
 
 class PromptLookupProposer:
@@ -51,8 +51,17 @@ def autoregressive_generate(
     top_k: int = 0,
     stop_token_ids: list[int] | None = None,
     generator: torch.Generator | None = None,
+    engine: bool | None = None,
 ) -> GenerationResult:
-    """Plain cached decoding, one target forward per token, with the statistics fields of `generate`."""
+    """Plain cached decoding, one target forward per token, with the statistics fields of `generate`.
+
+    engine: as in `generate` (by default the engine's captured decode step on a CUDA target it supports).
+    """
+    if use_engine(target, engine):
+        from flashdraft.spec.engine.loop import engine_decode
+
+        return engine_decode(target, input_ids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                             stop_token_ids=stop_token_ids, generator=generator)  # fmt: skip
     return speculative_decode(
         target,
         input_ids,
@@ -80,11 +89,21 @@ def prompt_lookup_generate(
     stop_token_ids: list[int] | None = None,
     generator: torch.Generator | None = None,
     max_deferred: int | None = None,
+    engine: bool | None = None,
 ) -> GenerationResult:
-    """Prompt-lookup speculative decoding; `num_draft` drafts per round (default `block_size - 1`)."""
+    """Prompt-lookup speculative decoding; `num_draft` drafts per round (default `block_size - 1`).
+
+    engine: as in `generate`; the engine verifies blocks of `num_draft + 1` tokens.
+    """
     num_draft = block_size - 1 if num_draft is None else num_draft
     if num_draft < 0:
         raise ValueError(f"num_draft must be >= 0, got {num_draft}")
+    if use_engine(target, engine):
+        from flashdraft.spec.engine.loop import engine_decode
+
+        return engine_decode(target, input_ids, max_new_tokens, lookup=PromptLookupProposer(ngram_max),
+                             block_size=num_draft + 1, temperature=temperature, top_p=top_p, top_k=top_k,
+                             stop_token_ids=stop_token_ids, generator=generator)  # fmt: skip
     return speculative_decode(
         target,
         input_ids,

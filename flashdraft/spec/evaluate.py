@@ -7,7 +7,11 @@ Prompts file: JSON lines, each `{"messages": [{"role": ..., "content": ...}, ...
 chat template, generation prompt added) or `{"prompt": "raw text"}`, with an optional `"category"`.
 All three methods decode every prompt with the same settings in the same loop (`flashdraft.spec.generate`).
 Reported: tau (mean tokens per verification round = mean acceptance length, bonus token included), its p95,
-per-position acceptance rates, tokens/s, and speedups — overall and per category. At temperature 0 the DFlash
+per-position acceptance rates, tokens/s, and speedups — overall and per category — and the implied ceiling
+`tau x decode step / round`: the decode-phase speedup that the measured costs allow (AR's time per decode step,
+DFlash's time per round, prompt processing excluded), beside the measured end-to-end speedup. On a CUDA target
+the engine (`flashdraft.spec.engine`: static caches, CUDA graphs) decodes all three methods; `--engine off`
+forces transformers forwards (`flashdraft.spec.generate`'s plain loop). At temperature 0 the DFlash
 output is also compared with autoregressive decoding (`greedy_mismatches`: expected 0 in float32; bf16 kernels
 can flip near-ties, because a verification and a one-token step round differently).
 """
@@ -23,7 +27,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.spec.baselines import autoregressive_generate, prompt_lookup_generate
-from flashdraft.spec.generate import GenerationResult, generate
+from flashdraft.spec.generate import GenerationResult, generate, use_engine
 
 METHODS = ("dflash", "autoregressive", "prompt_lookup")
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -98,6 +102,9 @@ class Tally:
 
     tokens: int = 0
     seconds: float = 0.0
+    # After the first token (prefill excluded): seconds and verification rounds (decode steps for AR).
+    decode_seconds: float = 0.0
+    rounds: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
     position_offered: list[int] = field(default_factory=list)
@@ -105,6 +112,8 @@ class Tally:
     def add(self, result: GenerationResult) -> None:
         self.tokens += len(result.tokens)
         self.seconds += result.total_time
+        self.decode_seconds += result.total_time - result.time_to_first_token
+        self.rounds += result.num_rounds
         self.acceptance_lengths += result.acceptance_lengths
         for name in ("position_accepted", "position_offered"):
             mine, theirs = getattr(self, name), getattr(result, name)
@@ -115,6 +124,11 @@ class Tally:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else math.nan
+
+    @property
+    def round_ms(self) -> float:
+        """Mean milliseconds per round (per decode step for autoregressive decoding)."""
+        return 1e3 * self.decode_seconds / self.rounds if self.rounds else math.nan
 
     @property
     def tau(self) -> float:
@@ -139,6 +153,10 @@ def _summary(tallies: dict[str, Tally], num_prompts: int) -> dict:
         "acceptance_length_mean": dflash.tau,
         "acceptance_length_p95": dflash.p95,
         "speedup": _ratio(dflash.tokens_per_second, ar.tokens_per_second),
+        "decode_step_ms": ar.round_ms,
+        "round_ms": dflash.round_ms,
+        # tau x step / round: what the per-round cost allows at this tau (prefill excluded).
+        "implied_ceiling": dflash.tau * _ratio(ar.round_ms, dflash.round_ms),
         "speedup_vs_prompt_lookup": _ratio(dflash.tokens_per_second, lookup.tokens_per_second),
         "prompt_lookup_tau": lookup.tau,
         "prompt_lookup_speedup": _ratio(lookup.tokens_per_second, ar.tokens_per_second),
@@ -157,8 +175,12 @@ def evaluate(
     stop_token_ids: list[int] | None = None,
     seed: int = 0,
     progress: bool = True,
+    engine: bool | None = None,
 ) -> dict:
-    """Decode every prompt with DFlash, autoregressive and prompt-lookup decoding; return the report dict."""
+    """Decode every prompt with DFlash, autoregressive and prompt-lookup decoding; return the report dict.
+
+    engine: as in `flashdraft.spec.generate` (None: the engine on a CUDA target it supports), for all methods.
+    """
     if not prompts:
         raise ValueError("evaluate needs at least one prompt")
     block_size = int(drafter.block_size if block_size is None else block_size)
@@ -166,13 +188,18 @@ def evaluate(
 
     def decode(method: str, prompt: Prompt, max_new: int, seed: int) -> GenerationResult:
         gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
-        common = dict(temperature=temperature, stop_token_ids=stop_token_ids, generator=gen)
+        common = dict(temperature=temperature, stop_token_ids=stop_token_ids, generator=gen, engine=engine)
         if method == "dflash":
             return generate(target, drafter, prompt.input_ids, max_new, block_size=block_size, **common)
         if method == "autoregressive":
             return autoregressive_generate(target, prompt.input_ids, max_new, **common)
         return prompt_lookup_generate(target, prompt.input_ids, max_new, block_size=block_size, **common)
 
+    if use_engine(target, engine):
+        # Caches sized for the longest prompt and graphs captured once, outside the timed runs.
+        from flashdraft.spec.engine.loop import prepare
+
+        prepare(target, max(p.input_ids.shape[-1] for p in prompts) + max_new_tokens, block_size, drafter)
     # Warm-up (allocator, lazy imports, autotuned kernels) so that the first timed prompt is not penalised. A few
     # blocks' worth of tokens also reaches some of the wider verifications that deferred tokens make.
     for method in METHODS:
@@ -182,6 +209,7 @@ def evaluate(
     per_category: dict[str, dict[str, Tally]] = {}
     counts: dict[str, int] = {}
     mismatches = 0
+    backends: set[str] = set()
     with _ProgressBar(progress, len(prompts) * len(METHODS)) as bar:
         for i, prompt in enumerate(prompts):
             outputs = {}
@@ -190,6 +218,7 @@ def evaluate(
                 result = decode(method, prompt, max_new_tokens, seed + i)
                 bar.advance()
                 outputs[method] = result.tokens
+                backends.add(result.backend)
                 overall[method].add(result)
                 per_category.setdefault(prompt.category, {m: Tally() for m in METHODS})[method].add(result)
             counts[prompt.category] = counts.get(prompt.category, 0) + 1
@@ -206,6 +235,7 @@ def evaluate(
             str(length): dflash.acceptance_lengths.count(length) for length in range(1, block_size + 1)
         },
         "greedy_mismatches": mismatches if temperature <= 0 else None,
+        "backend": "/".join(sorted(backends)),
         "block_size": block_size,
         "temperature": temperature,
         "max_new_tokens": max_new_tokens,
@@ -257,7 +287,7 @@ def print_report(report: dict, console=None) -> None:
 
     console = console or Console()
     table = Table(title=f"DFlash, block {report['block_size']}, temperature {report['temperature']}")
-    columns = ("set", "n", "tau", "p95", "DFlash tok/s", "AR tok/s", "PL tok/s", "PL tau", "x AR", "x PL")
+    columns = ("set", "n", "tau", "p95", "DFlash tok/s", "AR tok/s", "PL tok/s", "PL tau", "x AR", "ceiling", "x PL")
     for column in columns:
         table.add_column(column, justify="left" if column == "set" else "right", no_wrap=column == "set")
     rows = [("overall", report)] + list(report["per_category"].items())
@@ -273,11 +303,17 @@ def print_report(report: dict, console=None) -> None:
             _fmt(tps["prompt_lookup"], 1),
             _fmt(s["prompt_lookup_tau"]),
             _fmt(s["speedup"], 2, "x"),
+            _fmt(s["implied_ceiling"], 2, "x"),
             _fmt(s["speedup_vs_prompt_lookup"], 2, "x"),
         )
     console.print(table)
     rates = " ".join(_fmt(r, 2) for r in report["per_position_acceptance"])
     console.print(f"per-position acceptance (draft 1..{report['block_size'] - 1}): {rates}")
+    console.print(
+        f"decode step {_fmt(report['decode_step_ms'])} ms (AR), DFlash round {_fmt(report['round_ms'])} ms "
+        f"({report.get('backend', '?')}): implied ceiling tau x step / round = {_fmt(report['implied_ceiling'])}x, "
+        f"measured speedup {_fmt(report['speedup'])}x (prompt processing included)"
+    )
     if report["greedy_mismatches"]:
         console.print(
             f"[yellow]warning: {report['greedy_mismatches']} prompt(s) decoded differently by DFlash and "
@@ -351,6 +387,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     p.add_argument("--ignore-eos", action="store_true", help="always decode --max-new-tokens tokens")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--engine",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="auto: flashdraft's engine (static caches, CUDA graphs) on a CUDA target it supports; off: transformers",
+    )
     p.set_defaults(run=run)
 
 
@@ -473,6 +515,7 @@ def run(args) -> int:
         stop_token_ids=stops,
         seed=args.seed,
         progress=not args.no_progress,
+        engine={"auto": None, "on": True, "off": False}[args.engine],
     )
     report.update(
         target=str(args.target),

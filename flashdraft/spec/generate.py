@@ -57,6 +57,8 @@ class GenerationResult:
     time_to_first_token: float = 0.0
     total_time: float = 0.0
     stopped: bool = False
+    # What decoded: "plain" (transformers forwards, this module), "engine" or "engine+graphs" (flashdraft.spec.engine).
+    backend: str = "plain"
 
     @property
     def num_rounds(self) -> int:
@@ -276,6 +278,21 @@ def speculative_decode(
     return result
 
 
+def use_engine(target: torch.nn.Module, engine: bool | None) -> bool:
+    """Whether to decode with `flashdraft.spec.engine`: None (auto) = on a CUDA target the engine supports;
+    True = always (a ValueError says why it cannot); False = never (this module's plain loop)."""
+    if engine is False:
+        return False
+    from flashdraft.spec.engine.loop import engine_available
+
+    reason = engine_available(target)
+    if engine is None:
+        return reason is None and next(target.parameters()).device.type == "cuda"
+    if reason is not None:
+        raise ValueError(f"engine=True, but the engine cannot run this target: {reason}")
+    return True
+
+
 def generate(
     target: torch.nn.Module,
     drafter: torch.nn.Module,
@@ -288,16 +305,26 @@ def generate(
     stop_token_ids: list[int] | None = None,
     generator: torch.Generator | None = None,
     max_deferred: int | None = None,
+    engine: bool | None = None,
 ) -> GenerationResult:
     """Decode up to `max_new_tokens` after `input_ids` (batch 1) with DFlash speculative decoding.
 
     Greedy (temperature 0) output equals the target's own greedy decoding token for token; with sampling, the
     output is distributed exactly as the target's sampling with the same temperature / top-p / top-k.
     block_size: drafted block incl. the anchor (default: the drafter's); stop_token_ids: stop after emitting one.
+    engine: None (default) decodes with `flashdraft.spec.engine` (static caches, CUDA graphs) on a CUDA target it
+    supports and with this module's loop otherwise; True / False force one of them. max_deferred: plain loop only.
     """
     block_size = int(drafter.block_size if block_size is None else block_size)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    common = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
+                  generator=generator)  # fmt: skip
+    if use_engine(target, engine):
+        from flashdraft.spec.engine.loop import engine_decode
+
+        drafter = drafter if block_size > 1 else None
+        return engine_decode(target, input_ids, max_new_tokens, drafter=drafter, block_size=block_size, **common)
     proposer = DFlashProposer(drafter, target, block_size, temperature, top_p, top_k, generator)
     return speculative_decode(
         target,
@@ -305,10 +332,6 @@ def generate(
         proposer if block_size > 1 else None,
         max_new_tokens,
         num_drafts=block_size - 1,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        stop_token_ids=stop_token_ids,
-        generator=generator,
         max_deferred=max_deferred,
+        **common,
     )

@@ -80,6 +80,22 @@ def rejection_sample(
     row i is the target's distribution for the position of draft i (row n: after the last draft).
     The returned token is the correction at the first rejected position, or the bonus token after n accepts.
     """
+    accepted, token = rejection_sample_tensors(draft_tokens, draft_probs, target_probs, generator)
+    accepted, token = torch.stack([accepted, token]).tolist()
+    return accepted, token
+
+
+def rejection_sample_tensors(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rejection_sample` without leaving the device: (accepted drafts, next token) as 0-d long tensors.
+
+    Draws the same random numbers in the same order (n uniforms, then one token), so both give the same result
+    with the same generator state.
+    """
     n = draft_tokens.shape[0]
     if target_probs.shape[0] != n + 1:
         raise ValueError(f"target_probs needs n + 1 = {n + 1} rows for {n} drafts, got {target_probs.shape[0]}")
@@ -88,16 +104,19 @@ def rejection_sample(
     q = torch.ones_like(p) if draft_probs is None else draft_probs[rows, draft_tokens].to(p.dtype)
     u = torch.rand(n, generator=generator, device=p.device, dtype=p.dtype)
     # u < p/q, written without the division (q > 0 for every drawn token).
-    accepted_mask = (u * q < p).to(torch.int64)
-    accepted = int(accepted_mask.cumprod(0).sum().item())
-    if accepted == n:
-        return n, int(sample(target_probs[n], generator).item())
-    residual = target_probs[accepted].clone()
+    accepted = (u * q < p).to(torch.int64).cumprod(0).sum()
+    row = target_probs.index_select(0, accepted.view(1))[0]
+    if n == 0:
+        return accepted, sample(row, generator)
+    # The residual normalize(max(0, p - q)) at the first rejection (its row is unused after n accepts).
+    at = accepted.clamp(max=n - 1).view(1)
     if draft_probs is None:
-        residual[draft_tokens[accepted]] = 0
+        q_row = torch.zeros_like(row).scatter_(0, draft_tokens.index_select(0, at), 1.0)
     else:
-        residual = (residual - draft_probs[accepted].to(residual.dtype)).clamp_min_(0)
+        q_row = draft_probs.index_select(0, at)[0].to(row.dtype)
+    residual = (row - q_row).clamp_min_(0)
     total = residual.sum()
     # total == 0 means p == q at this position, where rejection has probability 0; only rounding gets here.
-    residual = residual / total if total > 0 else target_probs[accepted]
-    return accepted, int(sample(residual, generator).item())
+    use_target = (accepted == n) | (total <= 0)
+    dist = torch.where(use_target, row, residual / torch.where(total > 0, total, torch.ones_like(total)))
+    return accepted, sample(dist, generator)

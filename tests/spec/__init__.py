@@ -129,15 +129,22 @@ class ScriptedDrafter(torch.nn.Module):
 
 @torch.inference_mode()
 def reference_greedy(target, prompt: torch.Tensor, max_new_tokens: int, stop_token_ids=()) -> list[int]:
-    """The target's own greedy decoding: transformers' cache, one token per forward (an independent path)."""
+    """The target's own greedy decoding: transformers' cache, one token per forward (an independent path).
+
+    The prompt too goes in token by token: on a GPU a multi-token forward of a hybrid target runs fla's chunk
+    kernel, whose TF32 matmuls would blur a float32 comparison; one token at a time is plain float32 arithmetic.
+    """
     from transformers import DynamicCache
 
     cache = DynamicCache(config=target.config)
     out, ids = [], prompt.view(1, -1)
+    for i in range(ids.shape[1] - 1):
+        target(ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+    ids = ids[:, -1:]
     for _ in range(max_new_tokens):
         token = int(target(ids, past_key_values=cache, use_cache=True).logits[0, -1].argmax())
         out.append(token)
         if token in stop_token_ids:
             break
-        ids = torch.tensor([[token]])
+        ids = torch.tensor([[token]], device=prompt.device)
     return out

@@ -127,6 +127,28 @@ def test_eval_hybrid_target_enables_the_fast_path(tmp_path, capsys):
     assert report["greedy_mismatches"] == 0
 
 
+def test_eval_with_the_engine_reports_the_implied_ceiling(models, tmp_path, capsys):
+    """--engine on (graphs off on a CPU): same tokens as transformers' forwards; tau x step / round beside the
+    measured speedup."""
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": f"the {w} sat on the mat"}) for w in WORDS[:3]])
+    reports = {}
+    for engine in ("on", "off"):
+        out_json = tmp_path / f"{engine}.json"
+        args = _args(
+            "--target", str(models / "target"), "--drafter", str(models / "drafter"), "--prompts", str(prompts),
+            "--max-new-tokens", "10", "--json", str(out_json), "--no-progress", "--ignore-eos", "--device", "cpu",
+            "--engine", engine,
+        )  # fmt: skip
+        assert args.run(args) == 0
+        reports[engine] = json.loads(out_json.read_text())
+    on = reports["on"]
+    assert on["backend"] == "engine" and reports["off"]["backend"] == "plain"
+    assert on["greedy_mismatches"] == 0 and on["tau"] == pytest.approx(reports["off"]["tau"])
+    assert on["implied_ceiling"] == pytest.approx(on["tau"] * on["decode_step_ms"] / on["round_ms"])
+    assert on["decode_step_ms"] > 0 and on["round_ms"] > 0
+    assert "implied ceiling" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "line,message",
     [

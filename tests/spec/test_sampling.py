@@ -116,6 +116,7 @@ def _exact_joint_of_tokens_2_and_3(target, temperature, top_p, top_k) -> torch.T
     v = VOCAB8
     x1, x2 = torch.meshgrid(torch.arange(v), torch.arange(v), indexing="ij")
     ids = torch.cat([PROMPT.expand(v * v, -1), x1.reshape(-1, 1), x2.reshape(-1, 1)], dim=1)
+    ids = ids.to(next(target.parameters()).device)
     probs = sampling_probs(target(ids).logits[:, -3:], temperature, top_p, top_k).view(v, v, 3, v)
     p1 = probs[0, 0, 0]  # (x1)
     p2 = probs[:, 0, 1]  # (x1, x2)

@@ -1,0 +1,281 @@
+"""P7: the speculative-decoding engine against transformers eager and the reference `dflash_generate`, one run.
+
+On a Qwen3.5-27B-shaped random bf16 target (64 layers: 48 Gated DeltaNet + 16 gated attention, vocab 248320;
+`--layers` for a slice) and a random 5-layer DFlash drafter with the target's sizes, batch 1, at contexts 1024
+and 8192, measures:
+  anchors   transformers eager decode step and 16-token verification (fast path on: fla + flashdraft conv),
+            one round of the reference `dflash.model.dflash_generate` (draft, verify 16, crop)
+  engine    flashdraft.spec.engine with CUDA graphs: decode step, verify 16, draft, commit, and a full round
+            (draft + verify + acceptance + exact rollback + the one host read), as `generate` runs it
+  checks    engine logits vs transformers' on the same weights (prefill and a decode step); DFlash output vs the
+            engine's own autoregressive greedy output (bf16)
+Goals: P7a decode step <= 25 ms (1024) and <= 30 ms (8192); P7b round <= 1.3x our decode step.
+Random drafts are rejected, so a round keeps one token: its cost is that of every round (fixed shapes).
+
+Run (H200, repo root):  python3 bench/spec_engine.py            # table last, JSON in $OUT/spec_engine.json
+           CPU check:   python bench/spec_engine.py --smoke      # tiny hybrid target, graphs off
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CONTEXTS = (1024, 8192)
+SMOKE_CONTEXTS = (24, 80)
+BLOCK = 16
+
+
+def timed_ms(fn, iters: int, warmup: int = 2) -> float:
+    """Median ms of `fn()` (CUDA events, synchronised per call; perf_counter on a CPU)."""
+    if torch.cuda.is_available():
+        from bench.timing import events_ms
+
+        return events_ms(fn, iters=iters, warmup=warmup)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return sorted(times)[len(times) // 2]
+
+
+def build(smoke: bool, layers: int):
+    """(target, our drafter, the reference package's drafter with the same weights, device)."""
+    from flashdraft.drafter import DFlashDraftModel
+
+    if smoke:
+        from flashdraft.tiny_configs import tiny_config
+
+        cfg = tiny_config("qwen3_5", num_layers=8, vocab_size=256)
+        device, dtype, mask = torch.device("cpu"), torch.float32, 255
+    else:
+        from bench.target_forward import qwen35_27b_config
+
+        cfg = qwen35_27b_config(layers)
+        cfg.rope_parameters["rope_theta"] = 1e7  # the 27B's
+        device, dtype, mask = torch.device("cuda"), torch.bfloat16, 248070
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        # Weights are initialised where they live, in bf16 (transformers' normal init; seconds for 27B on a GPU).
+        target = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
+        drafter = DFlashDraftModel.from_target(cfg, num_layers=5 if not smoke else 2, block_size=BLOCK,
+                                               mask_token_id=mask).to(dtype).eval()  # fmt: skip
+    reference = None
+    try:
+        import dflash
+
+        with torch.device(device):
+            reference = dflash.DFlashDraftModel(drafter.config).to(dtype).eval()
+        reference.load_state_dict(drafter.state_dict())
+    except ImportError as exc:
+        print(f"reference dflash package unavailable ({exc}): its anchor is skipped", flush=True)
+    return target, drafter, reference, device
+
+
+@torch.inference_mode()
+def hf_anchor(target, ids: torch.Tensor, iters: int) -> dict:
+    """transformers eager: one-token decode step and a 16-token forward, with the cache of `ids`."""
+    from flashdraft.spec import state
+
+    cache = state.new_cache(target)
+    target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    snap = state.take_snapshot(cache)
+    one, block = ids[:, -1:], ids[:, -BLOCK:]
+
+    def step(x):
+        target(input_ids=x, past_key_values=cache, use_cache=True)
+        state.restore(cache, snap)  # same context every call (restore is ~0.4 ms per 16 layers, counted)
+
+    return {"decode_ms": timed_ms(lambda: step(one), iters), "verify16_ms": timed_ms(lambda: step(block), iters)}
+
+
+@torch.inference_mode()
+def dflash_anchor(reference, target, ids: torch.Tensor, rounds: int) -> dict:
+    """Mean time of a round of the reference `dflash_generate` (after its prefill)."""
+    import dflash.model as ref
+
+    if not torch.cuda.is_available():
+        ref._cuda_time = time.perf_counter  # its timer synchronises CUDA
+    ref.dflash_generate(reference, target, ids, 2, None, return_stats=True)  # warm-up
+    stats = ref.dflash_generate(reference, target, ids, rounds + 1, None, return_stats=True)
+    decode_s = stats.time_per_output_token * stats.num_output_tokens
+    return {"round_ms": 1e3 * decode_s / len(stats.acceptance_lengths), "rounds": len(stats.acceptance_lengths)}
+
+
+@torch.inference_mode()
+def engine_numbers(target, drafter, ids: torch.Tensor, graphs: bool, iters: int) -> dict:
+    from flashdraft.spec.engine import loop
+
+    sess = loop.session(target, ids.shape[1] + 4 * iters * BLOCK, BLOCK, list(drafter.target_layer_ids), graphs)
+    engine, runner = sess.engine, sess.runner(drafter)
+    logits = engine.prefill(ids[0])
+    runner.prefill(engine.prompt_features)
+    runner.block_ids[0] = int(logits.argmax())
+    out = {"slots": engine.slots, "captured": sess.captured, "capture_error": sess.capture_error}
+
+    def round_():
+        runner.draft()
+        engine.verify_ids[:1].copy_(runner.block_ids[:1])
+        loop._verify_round(engine, runner, runner.drafts, None, (0.0, 1.0, 0), None)
+
+    def decode():
+        engine.decode_ids.copy_(runner.block_ids[:1])
+        engine.decode()
+        runner.block_ids[:1].copy_(engine.decode_logits[0].argmax().view(1))
+
+    out["round_ms"] = timed_ms(round_, iters)
+    out["draft_ms"] = timed_ms(runner.draft, iters)
+    out["verify16_ms"] = timed_ms(engine.verify, iters)
+    engine.keep.fill_(1)
+    out["commit_ms"] = timed_ms(lambda: (engine.commit(), engine.note_committed(1)), iters)
+    out["decode_ms"] = timed_ms(decode, iters)
+    return out
+
+
+@torch.inference_mode()
+def checks(target, drafter, ids: torch.Tensor, graphs: bool) -> dict:
+    """Engine vs transformers logits on the same weights; DFlash vs the engine's own greedy decoding."""
+    from flashdraft.spec import autoregressive_generate, generate
+    from flashdraft.spec.engine import loop
+
+    hf = target(input_ids=ids, use_cache=True, logits_to_keep=1)
+    sess = loop.session(target, ids.shape[1] + 64, BLOCK, list(drafter.target_layer_ids), graphs)
+    mine = sess.engine.prefill(ids[0]).float()
+    ref = hf.logits[0, -1].float()
+    token = int(ref.argmax())
+    step = target(input_ids=torch.tensor([[token]], device=ids.device), past_key_values=hf.past_key_values)
+    sess.engine.decode_ids.fill_(token)
+    sess.engine.decode()
+    # (decode_logits is the engine's static buffer: read it before the engine runs again)
+    ref2, mine2 = step.logits[0, -1].float(), sess.engine.decode_logits[0].float().clone()
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    n = 48
+    spec = generate(target, drafter, ids, n, engine=True)
+    auto = autoregressive_generate(target, ids, n, engine=True)
+    first_diff = next((i for i, (a, b) in enumerate(zip(spec.tokens, auto.tokens, strict=True)) if a != b), None)
+    return {
+        "prefill_logits_rel_err": rel(mine, ref),
+        "decode_logits_rel_err": rel(mine2, ref2),
+        "same_argmax": bool(mine.argmax() == ref.argmax() and mine2.argmax() == ref2.argmax()),
+        "greedy_tokens": n,
+        "dflash_equals_engine_greedy": spec.tokens == auto.tokens,
+        "first_difference_at": first_diff,
+        "backend": spec.backend,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny hybrid target on the CPU, graphs off")
+    ap.add_argument("--layers", type=int, default=64, help="target layers (a multiple of 4; 64 = the 27B)")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls per measurement")
+    ap.add_argument("--json", default=None, help="default: $OUT/spec_engine.json")
+    a = ap.parse_args()
+    if a.layers % 4:
+        raise SystemExit(f"--layers must be a multiple of 4 (3 linear + 1 full attention), got {a.layers}")
+    if not a.smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --smoke for the CPU check")
+    out_dir = Path(os.environ.get("OUT", "bench/results/local"))
+    out_path = Path(a.json) if a.json else out_dir / "spec_engine.json"
+    contexts = SMOKE_CONTEXTS if a.smoke else CONTEXTS
+    iters = a.iters or (3 if a.smoke else 10)
+    graphs = not a.smoke
+    t0 = time.perf_counter()
+    from flashdraft import fastpath
+
+    target, drafter, reference, device = build(a.smoke, a.layers)
+    fastpath.enable(target, strict=not a.smoke, run_probe=not a.smoke)
+    print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
+    g = torch.Generator().manual_seed(1)
+    vocab = target.config.vocab_size
+    report = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "target_layers": 8 if a.smoke else a.layers,
+        "block_size": BLOCK,
+        "graphs": graphs,
+        "contexts": {},
+    }
+    import transformers
+
+    report["transformers"] = transformers.__version__
+    for ctx in contexts:
+        ids = torch.randint(0, vocab, (1, ctx), generator=g).to(device)
+        row = {"hf": hf_anchor(target, ids, iters)}
+        print(ctx, row, flush=True)
+        if reference is not None:
+            row["dflash_reference"] = dflash_anchor(reference, target, ids, rounds=iters)
+            print(ctx, row["dflash_reference"], flush=True)
+        row["engine"] = engine_numbers(target, drafter, ids, graphs, iters)
+        print(ctx, row["engine"], flush=True)
+        report["contexts"][ctx] = row
+    report["checks"] = checks(target, drafter, torch.randint(0, vocab, (1, contexts[0]), generator=g).to(device),
+                              graphs)  # fmt: skip
+    report["seconds"] = time.perf_counter() - t0
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=1))
+    print_table(report, a.smoke)
+
+
+def print_table(report: dict, smoke: bool) -> None:
+    ctxs = list(report["contexts"])
+    scale = "" if smoke or report["target_layers"] == 64 else f" (a {report['target_layers']}-layer slice, not scaled)"
+    what = "tiny hybrid target, CPU, graphs off (smoke)" if smoke else f"Qwen3.5-27B-shaped random bf16{scale}"
+    print(f"\n### spec engine — {what}; batch 1, block {BLOCK}; {report['device']}, torch {report['torch']}, "
+          f"transformers {report['transformers']}")  # fmt: skip
+    print("| ms | " + " | ".join(f"ctx {c}" for c in ctxs) + " |")
+    print("|---|" + "---|" * len(ctxs))
+
+    def row(label, get, fmt="{:.2f}"):
+        cells = []
+        for c in ctxs:
+            try:
+                cells.append(fmt.format(get(report["contexts"][c])))
+            except (KeyError, TypeError, ZeroDivisionError):
+                cells.append("-")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+    row("transformers eager decode step (anchor)", lambda r: r["hf"]["decode_ms"])
+    row("transformers eager verify 16 (anchor)", lambda r: r["hf"]["verify16_ms"])
+    row("dflash_generate round (anchor)", lambda r: r["dflash_reference"]["round_ms"])
+    row("**engine decode step** (P7a: <= 25 / 30)", lambda r: r["engine"]["decode_ms"])
+    row("engine verify 16", lambda r: r["engine"]["verify16_ms"])
+    row("engine draft (drafter + LM head on 15 rows)", lambda r: r["engine"]["draft_ms"])
+    row("engine commit (exact rollback)", lambda r: r["engine"]["commit_ms"])
+    row("**engine round** (draft + verify + accept + commit + read)", lambda r: r["engine"]["round_ms"])
+    row("round / engine decode step (P7b: <= 1.3)", lambda r: r["engine"]["round_ms"] / r["engine"]["decode_ms"])
+    row("engine decode speedup vs transformers", lambda r: r["hf"]["decode_ms"] / r["engine"]["decode_ms"], "{:.1f}x")
+    row("engine round speedup vs dflash_generate",
+        lambda r: r["dflash_reference"]["round_ms"] / r["engine"]["round_ms"], "{:.1f}x")  # fmt: skip
+    for ctx in ctxs:
+        engine = report["contexts"][ctx]["engine"]
+        if not smoke and not engine["captured"]:
+            print(f"WARNING ctx {ctx}: CUDA graphs were not captured ({engine['capture_error']}): eager engine timings")
+    c = report["checks"]
+    print(f"checks: engine vs transformers logits rel. err. prefill {c['prefill_logits_rel_err']:.2e}, decode "
+          f"{c['decode_logits_rel_err']:.2e}, same argmax {c['same_argmax']}; DFlash ({c['backend']}) == engine "
+          f"greedy over {c['greedy_tokens']} tokens: {c['dflash_equals_engine_greedy']} "
+          f"(first difference {c['first_difference_at']}); {report['seconds']:.0f} s in all")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The DFlash drafter over a static cache of context keys/values, one captured step per block.
+
+    runner = DrafterRunner(drafter, target_engine)   # shares the engine's embedding, LM head and feature buffer
+    runner.capture()                                 # CUDA graph of `draft` (before the cache fills)
+    runner.prefill(engine.prompt_features)           # context K/V of the prompt
+    runner.block_ids[0] = last token; runner.draft() # runner.logits (bs - 1, V), runner.drafts (bs - 1,)
+    runner.pending.fill_(k + 1)                      # the next draft first adds features of the k + 1 verified tokens
+
+Same arithmetic as `DFlashDraftModel.forward` with a cache (tests compare them): context features go through
+`fc` + `hidden_norm` once, their keys/values are cached per layer; the block `[last token, MASK...]` attends to
+the cached context and to itself. Static shapes: each draft writes the K/V of all `bs` rows of the engine's
+feature buffer at slots `context ..`, of which only `pending` are valid; the block's own K/V go into the slots
+right after the valid context, where its positions are — rows past the context are masked and overwritten later.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashdraft.drafter.model import _rotate
+from flashdraft.spec.engine import ops
+from flashdraft.spec.engine.graphs import Step, capture_all
+from flashdraft.spec.engine.target import TargetEngine
+
+
+class DrafterRunner:
+    """Drafts blocks of `engine.block_size` tokens for the target `engine` runs (see the module docstring)."""
+
+    def __init__(self, drafter: torch.nn.Module, engine: TargetEngine):
+        if list(drafter.target_layer_ids) != engine.feature_layers:
+            raise ValueError(
+                f"drafter reads target layers {list(drafter.target_layer_ids)}, the engine keeps {engine.feature_layers}"
+            )
+        self.drafter, self.engine = drafter, engine
+        self.embed = engine.inner.embed_tokens
+        first = next(drafter.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        if self.device != engine.device:
+            raise ValueError(f"drafter on {self.device}, target on {engine.device}")
+        bs = engine.block_size
+        self.block_size = bs
+        self.slots = engine.slots + bs
+        self.layers = list(drafter.layers)
+        self.norms = {id(m): ops.Norm(m) for m in drafter.modules() if "RMSNorm" in type(m).__name__}
+        self.kv = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            shape = (attn.k_proj.out_features // attn.head_dim, self.slots, attn.head_dim)
+            self.kv.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
+                            torch.zeros(shape, dtype=self.dtype, device=self.device)))  # fmt: skip
+        self.cos, self.sin = ops.rope_table(drafter.rotary_emb, self.slots, self.dtype, self.device)
+        self.slot_index = torch.arange(self.slots, device=self.device)
+        self.block_index = torch.arange(bs, device=self.device)
+        vocab = engine.lm_head.out_features
+        # Tokens whose features are in the cache; verified tokens whose features wait in engine.features.
+        self.context = torch.zeros((), dtype=torch.long, device=self.device)
+        self.pending = torch.zeros((), dtype=torch.long, device=self.device)
+        self.block_ids = torch.full((bs,), int(drafter.mask_token_id), dtype=torch.long, device=self.device)
+        self.logits = torch.zeros(bs - 1, vocab, dtype=self.dtype, device=self.device)
+        self.drafts = torch.zeros(bs - 1, dtype=torch.long, device=self.device)
+        self.step = Step(self._draft, "draft")
+
+    def capture(self) -> None:
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA drafter, this one is on {self.device}")
+        with torch.inference_mode():
+            capture_all([self.step])
+            self.context.zero_()
+            self.pending.zero_()
+
+    @torch.inference_mode()
+    def prefill(self, features: torch.Tensor) -> None:
+        """Cache the context K/V of the prompt's features (P, n * D); nothing is pending afterwards."""
+        positions = torch.arange(features.shape[0], device=self.device)
+        context = self._norm(self.drafter.hidden_norm, self.drafter.fc(features.to(self.dtype)))
+        for layer, cache in zip(self.layers, self.kv, strict=True):
+            self._cache_context(layer.self_attn, context, positions, cache)
+        self.context.fill_(features.shape[0])
+        self.pending.zero_()
+
+    @torch.inference_mode()
+    def draft(self) -> None:
+        """Add the pending features, then draft after `block_ids[0]`: `logits`, `drafts` (greedy)."""
+        self.step()
+
+    def _cache_context(self, attn, context: torch.Tensor, positions: torch.Tensor, cache) -> None:
+        length, dim = context.shape[0], attn.head_dim
+        key = self._norm(attn.k_norm, attn.k_proj(context).view(length, -1, dim)).transpose(0, 1)
+        value = attn.v_proj(context).view(length, -1, dim).transpose(0, 1)
+        key = _rotate(key, self.cos[positions][None], self.sin[positions][None])
+        cache[0].index_copy_(1, positions, key)
+        cache[1].index_copy_(1, positions, value)
+
+    def _draft(self) -> None:
+        drafter, bs = self.drafter, self.block_size
+        features = self.engine.features
+        context = self._norm(drafter.hidden_norm, drafter.fc(features.to(self.dtype)))
+        context_positions = self.context + self.block_index[: features.shape[0]]
+        anchor = self.context + self.pending
+        positions = anchor + self.block_index
+        cos, sin = self.cos[positions][None], self.sin[positions][None]
+        hidden = self.embed(self.block_ids).to(self.dtype)
+        for layer, cache in zip(self.layers, self.kv, strict=True):
+            attn = layer.self_attn
+            self._cache_context(attn, context, context_positions, cache)
+            x = self._norm(layer.input_layernorm, hidden)
+            dim = attn.head_dim
+            query = _rotate(self._norm(attn.q_norm, attn.q_proj(x).view(bs, -1, dim)).transpose(0, 1), cos, sin)
+            key = _rotate(self._norm(attn.k_norm, attn.k_proj(x).view(bs, -1, dim)).transpose(0, 1), cos, sin)
+            cache[0].index_copy_(1, positions, key)
+            cache[1].index_copy_(1, positions, attn.v_proj(x).view(bs, -1, dim).transpose(0, 1))
+            visible = self._visible(attn, positions)
+            hidden = hidden + attn.o_proj(ops.cached_attention(query, cache[0], cache[1], visible, attn.scaling))
+            hidden = hidden + layer.mlp(self._norm(layer.post_attention_layernorm, hidden))
+        hidden = self._norm(drafter.norm, hidden)
+        logits = drafter.compute_logits(hidden[1:], self.engine.lm_head)
+        self.logits.copy_(logits)
+        self.drafts.copy_(logits.argmax(dim=-1))
+        self.context.copy_(anchor)
+        self.pending.zero_()
+
+    def _norm(self, module, x):
+        return self.norms[id(module)](x)
+
+    def _visible(self, attn, positions: torch.Tensor) -> torch.Tensor:
+        """(bs, slots): the context and the whole block, narrowed by the layer's causal / sliding-window rule."""
+        keys, queries = self.slot_index[None], positions[:, None]
+        visible = keys < positions[-1] + 1
+        if attn.is_causal:
+            visible = visible & (keys <= queries)
+        if attn.sliding_window is not None:
+            visible = visible & (queries - keys < attn.sliding_window)
+            if not attn.is_causal:
+                visible = visible & (keys - queries < attn.sliding_window)
+        return visible

@@ -1,0 +1,259 @@
+"""Decoding over the engine: DFlash, prompt lookup and autoregressive, with the statistics of the plain loop.
+
+    from flashdraft.spec.engine.loop import engine_decode
+    result = engine_decode(target, input_ids, 256, drafter=drafter)          # DFlash
+    result = engine_decode(target, input_ids, 256)                           # autoregressive
+    result = engine_decode(target, input_ids, 256, lookup=PromptLookupProposer(), block_size=16)
+
+One round: the drafter's step (pending context features, then the block) -> the target's verification of the
+block -> acceptance on the device (argmax agreement, or rejection sampling) -> commit of the accepted prefix
+and the next anchor, all enqueued without waiting; then one read of the accepted length and tokens, the only
+host synchronisation of the round. Every round verifies a full block (static shapes); near `max_new_tokens`
+only the first `want` drafts count, which can cut acceptance only in the round that ends the generation.
+
+Engines are kept per target (`session`) and rebuilt only when a longer context, another block size or other
+feature layers are needed, so that the CUDA graphs are captured once for many generations.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+
+from flashdraft.spec.engine.drafter import DrafterRunner
+from flashdraft.spec.engine.target import TargetEngine, unsupported_reason
+from flashdraft.spec.generate import GenerationResult
+from flashdraft.spec.sampling import next_token, rejection_sample_tensors, sample, sampling_probs, validate_sampling
+
+# Context lengths are rounded up to this many tokens, so that nearby prompt lengths reuse one engine.
+LENGTH_QUANTUM = 512
+
+
+class Session:
+    """A target's engine (and drafter runners), with or without CUDA graphs."""
+
+    def __init__(self, engine: TargetEngine, graphs: bool):
+        self.engine, self.graphs = engine, graphs
+        self.runners: dict[int, DrafterRunner] = {}
+        # Why a capture failed (the steps then run eagerly: slower, same results); None if none did.
+        self.capture_error: str | None = None
+        if graphs:
+            self._capture(engine)
+
+    def _capture(self, owner) -> None:
+        try:
+            owner.capture()
+        except Exception as exc:  # a kernel that cannot be captured must not cost the user the generation
+            self.capture_error = f"{type(exc).__name__}: {exc}"
+            for step in getattr(owner, "steps", {"draft": getattr(owner, "step", None)}).values():
+                step.reset()
+            warnings.warn(f"flashdraft engine: CUDA graph capture failed, running eagerly ({self.capture_error})",
+                          stacklevel=3)  # fmt: skip
+
+    @property
+    def captured(self) -> bool:
+        return self.engine.captured and all(r.step.graph is not None for r in self.runners.values())
+
+    def runner(self, drafter: torch.nn.Module) -> DrafterRunner:
+        key = id(drafter)
+        runner = self.runners.get(key)
+        if runner is None or runner.drafter is not drafter:
+            runner = DrafterRunner(drafter, self.engine)
+            if self.graphs and self.capture_error is None:
+                self._capture(runner)
+            self.runners[key] = runner
+        return runner
+
+
+# The session lives on its target (an attribute, so that both are freed together).
+_ATTRIBUTE = "_flashdraft_engine_session"
+
+
+def current_session(target: torch.nn.Module) -> Session | None:
+    return target.__dict__.get(_ATTRIBUTE)
+
+
+def drop_session(target: torch.nn.Module) -> None:
+    """Free the target's engine (caches, graphs)."""
+    if target.__dict__.pop(_ATTRIBUTE, None) is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def session(
+    target: torch.nn.Module, max_len: int, block_size: int | None, feature_layers: list[int] | None, graphs: bool
+) -> Session:
+    """The session of `target` if it fits, else a new one (the old one is dropped first, to free memory).
+
+    block_size None: any (autoregressive decoding uses only the one-token step); a new session then gets 16.
+    """
+    current = current_session(target)
+    layers = sorted(feature_layers or [])
+    if current is not None:
+        engine = current.engine
+        fits = (
+            engine.max_len >= max_len
+            and block_size in (None, engine.block_size)
+            and current.graphs == graphs
+            and (not layers or engine.feature_layers == layers)
+        )
+        if fits:
+            return current
+        layers = layers or engine.feature_layers
+        max_len = max(max_len, engine.max_len)
+        block_size = block_size or engine.block_size
+        del current, engine
+        drop_session(target)
+    block_size = block_size or 16
+    max_len = -(-max_len // LENGTH_QUANTUM) * LENGTH_QUANTUM
+    created = Session(TargetEngine(target, max_len, block_size, layers), graphs)
+    target.__dict__[_ATTRIBUTE] = created
+    return created
+
+
+def prepare(
+    target: torch.nn.Module, max_len: int, block_size: int, drafter: torch.nn.Module | None = None, graphs=None
+) -> Session:
+    """Build (and capture) the session that decoding up to `max_len` tokens will use, ahead of timed runs."""
+    graphs = next(target.parameters()).device.type == "cuda" if graphs is None else graphs
+    layers = list(drafter.target_layer_ids) if drafter is not None else None
+    sess = session(target, max_len, block_size, layers, graphs)
+    if drafter is not None:
+        sess.runner(drafter)
+    return sess
+
+
+def engine_available(target: torch.nn.Module) -> str | None:
+    """None if the engine can decode `target`, else why not."""
+    return unsupported_reason(target)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.inference_mode()
+def engine_decode(
+    target: torch.nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    drafter: torch.nn.Module | None = None,
+    lookup=None,
+    block_size: int = 16,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_token_ids: list[int] | None = None,
+    generator: torch.Generator | None = None,
+    graphs: bool | None = None,
+) -> GenerationResult:
+    """Decode `input_ids` (batch 1) with a DFlash `drafter`, a prompt-`lookup` proposer, or neither (one token per
+    step). graphs: CUDA graphs (default: on a CUDA target)."""
+    validate_sampling(temperature, top_p, top_k)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding runs batch 1; got input_ids of shape {tuple(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise ValueError("input_ids is empty: the prompt needs at least one token")
+    if drafter is not None and lookup is not None:
+        raise ValueError("give a drafter or a lookup proposer, not both")
+    device = next(target.parameters()).device
+    graphs = device.type == "cuda" if graphs is None else graphs
+    prompt = input_ids.reshape(-1)
+    result = GenerationResult(tokens=[], num_prompt_tokens=prompt.shape[0], backend="engine")
+    if max_new_tokens == 0:
+        return result
+    speculative = drafter is not None or lookup is not None
+    num_drafts = block_size - 1 if speculative else 0
+    result.position_accepted, result.position_offered = [0] * num_drafts, [0] * num_drafts
+    layers = list(drafter.target_layer_ids) if drafter is not None else None
+    sess = session(target, prompt.shape[0] + max_new_tokens, block_size if speculative else None, layers, graphs)
+    engine = sess.engine
+    runner = sess.runner(drafter) if drafter is not None else None
+    result.backend = "engine+graphs" if sess.captured else "engine"
+    stops = set(stop_token_ids or ())
+    sampling = (temperature, top_p, top_k)
+
+    start = _now(device)
+    logits = engine.prefill(prompt.to(device))
+    result.num_target_forwards = 1
+    last = int(next_token(logits, *sampling, generator))
+    result.tokens.append(last)
+    if runner is not None:
+        runner.prefill(engine.prompt_features)
+        runner.block_ids[0] = last
+    history = prompt.tolist() + [last] if lookup is not None else None
+    result.time_to_first_token = _now(device) - start
+    result.stopped = last in stops
+
+    while len(result.tokens) < max_new_tokens and not result.stopped:
+        want = min(num_drafts, max_new_tokens - len(result.tokens) - 1)
+        drafts = draft_probs = None
+        if want > 0 and runner is not None:
+            runner.draft()
+            if temperature > 0:
+                draft_probs = sampling_probs(runner.logits[:want], *sampling)
+                drafts = sample(draft_probs, generator)
+            else:
+                drafts = runner.drafts[:want]
+            engine.verify_ids[:1].copy_(runner.block_ids[:1])
+        elif want > 0 and lookup is not None:
+            proposed, _ = lookup.propose(torch.tensor(history), want)
+            if proposed is not None:
+                drafts = proposed.to(device)
+                engine.verify_ids[0] = last
+        result.num_target_forwards += 1
+        if drafts is None:
+            new = [_decode_step(engine, last, sampling, generator)]
+        else:
+            want = drafts.shape[0]
+            new = _verify_round(engine, runner, drafts, draft_probs, sampling, generator)
+            for i in range(want):
+                result.position_offered[i] += 1
+                result.position_accepted[i] += i < len(new) - 1
+        for j, token in enumerate(new):
+            if token in stops:
+                new, result.stopped = new[: j + 1], True
+                break
+        result.tokens.extend(new)
+        result.acceptance_lengths.append(len(new))
+        last = new[-1]
+        if history is not None:
+            history.extend(new)
+    result.total_time = _now(device) - start
+    return result
+
+
+def _decode_step(engine: TargetEngine, token: int, sampling, generator) -> int:
+    engine.decode_ids.fill_(token)
+    engine.decode()
+    return int(next_token(engine.decode_logits[0], *sampling, generator))
+
+
+def _verify_round(engine, runner, drafts, draft_probs, sampling, generator) -> list[int]:
+    """Verify `drafts` (after the anchor already in verify_ids[0]), commit the accepted prefix; the emitted tokens."""
+    want = drafts.shape[0]
+    engine.verify_ids[1 : 1 + want].copy_(drafts)
+    engine.verify()
+    logits = engine.verify_logits[: want + 1]
+    if sampling[0] <= 0:
+        choice = logits.argmax(dim=-1)
+        accepted = (drafts == choice[:want]).to(torch.int64).cumprod(0).sum()
+        bonus = choice.index_select(0, accepted.view(1))[0]
+    else:
+        accepted, bonus = rejection_sample_tensors(drafts, draft_probs, sampling_probs(logits, *sampling), generator)
+    engine.keep.copy_(accepted + 1)
+    engine.commit()
+    if runner is not None:
+        runner.pending.copy_(engine.keep)
+        runner.block_ids[:1].copy_(bonus.view(1))
+    # The one host synchronisation of the round.
+    values = torch.cat([accepted.view(1), bonus.view(1), drafts]).tolist()
+    count = values[0]
+    engine.note_committed(count + 1)
+    return values[2 : 2 + count] + [values[1]]

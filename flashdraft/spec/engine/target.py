@@ -1,0 +1,381 @@
+"""The target, run layer by layer from its transformers modules' weights over static caches.
+
+    engine = TargetEngine(target, max_len=4096, block_size=16, feature_layers=[1, 16, 31, 46, 61])
+    engine.capture()                       # CUDA graphs of decode, verify and commit (before the caches fill)
+    logits = engine.prefill(prompt_ids)    # (V,) logits of the last prompt token; features in engine.prompt_features
+    engine.verify_ids.copy_(block)         # [last token, draft_1 .. draft_{bs-1}]
+    engine.verify()                        # engine.verify_logits (bs, V), engine.features (bs, n * D)
+    engine.keep.fill_(k + 1); engine.commit()   # keep the first k + 1 tokens of the block (exactly)
+    engine.note_committed(k + 1)           # the host's count of cached tokens
+
+Caches are preallocated for `max_len` tokens: keys/values of the full-attention layers; the conv window (last
+W-1 inputs) and the recurrent state of each Gated DeltaNet layer. The number of cached tokens lives in a device
+tensor (`length`), so one captured graph serves every context length.
+
+Exact rollback. A verification reads the linear-attention states but does not advance them; it keeps what the
+recurrence consumes (the conv inputs, keys, values, decays and betas of the block). `commit` then advances the
+states over exactly the first `keep` tokens, all layers at once: the conv window is the last W-1 of
+`[state, inputs[:keep]]`, and the delta rule runs over the block with beta = 0 and decay = 1 (g = 0) after `keep`. Such a step leaves the
+state bit for bit unchanged (S * 1 + k * 0), so the committed state is the one that the same kernel reaches
+over the `keep` tokens alone; the attention layers only need `length` advanced (rows past it are masked and
+later overwritten). tests/spec/engine prove the result equal to a no-cache forward of the whole sequence.
+
+Supported: dense-MLP Qwen3.5 (Gated DeltaNet + gated full attention) and Qwen3 targets; `unsupported_reason`
+names what else is found. The MLPs, norms and projections are the model's own modules.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from flashdraft.fastpath.backends import gated_norm_forward
+from flashdraft.spec.engine import ops
+from flashdraft.spec.engine.graphs import Step, capture_all
+
+# Prompts up to this length go through the fused recurrent kernel (exact float32 arithmetic; launch-bound either
+# way at this length); longer ones through fla's chunk kernel (matmul-based: TF32 for float32 inputs on a GPU).
+SHORT_PREFILL = 64
+_GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj")
+_ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def text_model(target: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack (embed_tokens, layers, norm, rotary_emb) of a causal LM, multimodal wrappers included."""
+    inner = getattr(target, "model", None)
+    inner = getattr(inner, "language_model", inner)
+    if inner is None or not hasattr(inner, "layers"):
+        raise ValueError(f"{type(target).__name__}: no decoder stack found (expected target.model.layers)")
+    return inner
+
+
+def unsupported_reason(target: torch.nn.Module) -> str | None:
+    """Why the engine cannot run `target`, or None if it can."""
+    try:
+        inner = text_model(target)
+    except ValueError as exc:
+        return str(exc)
+    config = inner.config
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(inner.layers))
+    bad_types = sorted(set(types) - {"full_attention", "linear_attention"})
+    if bad_types:
+        return f"layer types {bad_types} (the engine runs full attention and Gated DeltaNet layers)"
+    if target.get_output_embeddings() is None:
+        return "no LM head"
+    for i, layer in enumerate(inner.layers):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None or not all(hasattr(mlp, p) for p in _MLP_PARTS):
+            return f"layer {i}: {type(mlp).__name__} is not a dense gate/up/down MLP (MoE layers are not supported)"
+        mixer = getattr(layer, "linear_attn", None) or getattr(layer, "self_attn", None)
+        parts = _GDN_PARTS if hasattr(layer, "linear_attn") else _ATTN_PARTS
+        if mixer is None or not all(hasattr(mixer, p) for p in parts):
+            return f"layer {i}: {type(mixer).__name__} has not the parts {parts}"
+    return None
+
+
+class _LinearStates:
+    """Static buffers of all Gated DeltaNet layers: their states and what a verification keeps for `commit`.
+
+    The layers share their shapes, so the buffers are stacked: a layer's states are contiguous views, and `commit`
+    advances every layer at once — the delta rule runs over all layers' heads side by side (layer l's value head j
+    is head l * HV + j, and its key head lands where the kernel's grouping expects it), a handful of kernels per
+    round instead of a handful per layer.
+    """
+
+    def __init__(self, modules: dict[int, torch.nn.Module], block_size: int, dtype, state_dtype, device):
+        first = next(iter(modules.values()))
+        conv_dim, width = first.conv1d.weight.shape[0], first.conv1d.weight.shape[-1]
+        count, heads_k, heads_v = len(modules), first.num_k_heads, first.num_v_heads
+        k_dim, v_dim = first.head_k_dim, first.head_v_dim
+        for i, m in modules.items():
+            if (m.conv1d.weight.shape[0], m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim) != (
+                conv_dim,
+                heads_k,
+                heads_v,
+                k_dim,
+                v_dim,
+            ):
+                raise ValueError(f"layer {i}: Gated DeltaNet shapes differ from layer {next(iter(modules))}'s")
+        self.slot = {i: j for j, i in enumerate(modules)}
+        self.conv = torch.zeros(count, conv_dim, width - 1, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(count, heads_v, k_dim, v_dim, dtype=state_dtype, device=device)
+        self.block_inputs = torch.zeros(count, block_size, conv_dim, dtype=dtype, device=device)  # conv inputs
+        self.block_k = torch.zeros(block_size, count, heads_k, k_dim, dtype=dtype, device=device)
+        self.block_v = torch.zeros(block_size, count, heads_v, v_dim, dtype=dtype, device=device)
+        self.block_a = torch.zeros(block_size, count, heads_v, dtype=dtype, device=device)  # raw decay projection
+        self.block_beta = torch.zeros(block_size, count, heads_v, dtype=dtype, device=device)
+        # Per-layer decay parameters side by side, as the stacked heads need them.
+        self.A_log = torch.cat([m.A_log.detach() for m in modules.values()])
+        self.dt_bias = torch.cat([m.dt_bias.detach() for m in modules.values()])
+
+
+class TargetEngine:
+    """Prefill, decode, verify and commit of a target over static caches (see the module docstring).
+
+    max_len: most tokens the caches hold (prompt + generated); block_size: tokens per verification;
+    feature_layers: target layers whose outputs `verify` / `prefill` keep as drafter context features.
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        max_len: int,
+        block_size: int,
+        feature_layers: list[int] | None = None,
+    ):
+        reason = unsupported_reason(target)
+        if reason is not None:
+            raise ValueError(f"the engine cannot run this target: {reason}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.target = target
+        self.inner = text_model(target)
+        self.lm_head = target.get_output_embeddings()
+        self.layers = list(self.inner.layers)
+        # Every RMSNorm, fused on the GPU (ops.Norm); keyed by module.
+        self.norms = {
+            id(m): ops.Norm(m)
+            for m in target.modules()
+            if "RMSNorm" in type(m).__name__ and "Gated" not in type(m).__name__
+        }
+        first = next(target.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        self.block_size = block_size
+        # Room for a whole verified block after the last committed token.
+        self.max_len = max_len
+        self.slots = max_len + block_size
+        self.feature_layers = sorted(feature_layers or [])
+        if any(not 0 <= i < len(self.layers) for i in self.feature_layers):
+            raise ValueError(f"feature_layers {self.feature_layers} outside the target's {len(self.layers)} layers")
+        dev, dt = self.device, self.dtype
+        state_dtype = torch.float64 if dt == torch.float64 else torch.float32
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        linear = {i: layer.linear_attn for i, layer in enumerate(self.layers) if hasattr(layer, "linear_attn")}
+        # The layers' gated output norms as one fla kernel on the GPU whether or not fastpath.enable() ran.
+        self.gated_norms = {i: gated_norm_forward(m.norm) for i, m in linear.items()}
+        self.linear = _LinearStates(linear, block_size, dt, state_dtype, dev) if linear else None
+        for i, layer in enumerate(self.layers):
+            if not hasattr(layer, "linear_attn"):
+                attn = layer.self_attn
+                kv_heads = attn.k_proj.out_features // attn.head_dim
+                shape = (kv_heads, self.slots, attn.head_dim)
+                self.kv[i] = (torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev))
+        self.cos, self.sin = ops.rope_table(self.inner.rotary_emb, self.slots, dt, dev)
+        self.slot_index = torch.arange(self.slots, device=dev)
+        self.block_index = torch.arange(block_size, device=dev)
+        vocab = self.lm_head.out_features
+        width = len(self.feature_layers) * self.inner.config.hidden_size
+        # Static inputs and outputs of the steps.
+        self.length = torch.zeros((), dtype=torch.long, device=dev)
+        self.keep = torch.ones((), dtype=torch.long, device=dev)
+        self.decode_ids = torch.zeros(1, dtype=torch.long, device=dev)
+        self.verify_ids = torch.zeros(block_size, dtype=torch.long, device=dev)
+        self.decode_logits = torch.zeros(1, vocab, dtype=dt, device=dev)
+        self.verify_logits = torch.zeros(block_size, vocab, dtype=dt, device=dev)
+        self.features = torch.zeros(block_size, width, dtype=dt, device=dev)
+        self.prompt_features: torch.Tensor | None = None
+        self.num_tokens = 0  # host mirror of `length`
+        self.steps = {
+            "decode": Step(self._decode, "decode"),
+            "verify": Step(self._verify, "verify"),
+            "commit": Step(self._commit, "commit"),
+        }
+
+    # ---- public steps ----------------------------------------------------------------------------------------
+
+    def capture(self) -> None:
+        """Record decode, verify and commit as CUDA graphs (CUDA only). Call before `prefill`: warm-up runs
+        write into the caches."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA target, this one is on {self.device}")
+        with torch.inference_mode():
+            capture_all(list(self.steps.values()))
+            self.length.zero_()
+            self.keep.fill_(1)
+        self.num_tokens = 0
+
+    @property
+    def captured(self) -> bool:
+        return all(step.graph is not None for step in self.steps.values())
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Fill the caches with the prompt `ids` (1-D, from an empty cache); returns the last token's logits (V,).
+
+        Features of the prompt tokens are left in `prompt_features` (P, n * D) when feature layers were given.
+        """
+        length = ids.shape[0]
+        if not 0 < length <= self.max_len:
+            raise ValueError(f"prompt of {length} tokens: the engine holds 1 .. max_len={self.max_len} tokens")
+        positions = torch.arange(length, device=self.device)
+        if self.linear is not None:
+            self.linear.conv.zero_()
+            self.linear.recurrent.zero_()
+        self.prefill_keep = torch.tensor(length, device=self.device)
+        hidden, features = self._forward(ids.to(self.device), positions, mode="prefill")
+        self.prompt_features = torch.cat(features, dim=-1) if features else None
+        self.length.fill_(length)
+        self.num_tokens = length
+        return self.lm_head(hidden[-1:])[0]
+
+    @torch.inference_mode()
+    def decode(self) -> None:
+        """One token (`decode_ids`) at position `length`; its logits into `decode_logits`; length += 1."""
+        self._check_room(1)
+        self.steps["decode"]()
+        self.num_tokens += 1
+
+    @torch.inference_mode()
+    def verify(self) -> None:
+        """The block `verify_ids` at positions `length` ..; logits into `verify_logits`, features into `features`.
+
+        The caches advance only at `commit`.
+        """
+        self._check_room(self.block_size)
+        self.steps["verify"]()
+
+    @torch.inference_mode()
+    def commit(self) -> None:
+        """Keep the first `keep` (a device tensor, 1 .. block_size) tokens of the last verified block.
+
+        The caller writes `keep` on the device (no host round trip) and reports the number with
+        `note_committed` once it has read it.
+        """
+        self.steps["commit"]()
+
+    def note_committed(self, keep: int) -> None:
+        if not 1 <= keep <= self.block_size:
+            raise ValueError(f"keep must be in [1, {self.block_size}], got {keep}")
+        self.num_tokens += keep
+
+    def _check_room(self, tokens: int) -> None:
+        if self.num_tokens + tokens > self.slots:
+            raise RuntimeError(f"engine cache full: {self.num_tokens} + {tokens} tokens > {self.slots} slots")
+
+    # ---- step bodies (captured; only static buffers in and out) ----------------------------------------------
+
+    def _decode(self) -> None:
+        positions = self.length + self.block_index[:1]
+        hidden, _ = self._forward(self.decode_ids, positions, mode="decode")
+        self.decode_logits.copy_(self.lm_head(hidden))
+        self.length.add_(1)
+
+    def _verify(self) -> None:
+        positions = self.length + self.block_index
+        hidden, features = self._forward(self.verify_ids, positions, mode="verify")
+        self.verify_logits.copy_(self.lm_head(hidden))
+        if features:
+            self.features.copy_(torch.cat(features, dim=-1))
+
+    def _commit(self) -> None:
+        self.length.add_(self.keep)
+        states = self.linear
+        if states is None:
+            return
+        states.conv.copy_(ops.conv_tail(states.conv, states.block_inputs, self.keep))
+        # All layers' heads side by side (see _LinearStates); beta = 0 and decay 1 (a = -inf: g = -0) past `keep`:
+        # those steps leave the state exactly as it was.
+        rejected = (self.block_index >= self.keep)[:, None]
+        length, count, heads_v = states.block_a.shape
+        k = states.block_k.view(length, count * states.block_k.shape[2], -1)
+        v = states.block_v.view(length, count * heads_v, -1)
+        a = states.block_a.view(length, -1).masked_fill(rejected, float("-inf"))
+        beta = states.block_beta.view(length, -1).masked_fill(rejected, 0)
+        recurrent = states.recurrent.view(count * heads_v, *states.recurrent.shape[2:])
+        _, final = ops.delta_rule(k, k, v, a, beta, states.A_log, states.dt_bias, recurrent, True)
+        recurrent.copy_(final)
+
+    # ---- the model -------------------------------------------------------------------------------------------
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mode: str):
+        """Final-normed hidden states (T, D) of tokens `ids` at `positions`, and the feature layers' outputs."""
+        hidden = self.inner.embed_tokens(ids)[None]
+        cos, sin = self.cos[positions], self.sin[positions]
+        visible = None if mode == "prefill" else self.slot_index[None] <= positions[:, None]
+        features = []
+        for i, layer in enumerate(self.layers):
+            residual = hidden
+            x = self._norm(layer.input_layernorm, hidden)[0]
+            if self.linear is not None and i in self.linear.slot:
+                x = self._linear_attention(i, layer.linear_attn, x, mode)
+            else:
+                x = self._attention(i, layer.self_attn, x, positions, cos, sin, visible)
+            hidden = residual + x[None]
+            hidden = hidden + layer.mlp(self._norm(layer.post_attention_layernorm, hidden))
+            if i in self.feature_layers:
+                features.append(hidden[0])
+        return self._norm(self.inner.norm, hidden)[0], features
+
+    def _norm(self, module, x):
+        return self.norms[id(module)](x)
+
+    def _attention(self, i: int, attn, x, positions, cos, sin, visible) -> torch.Tensor:
+        length, dim = x.shape[0], attn.head_dim
+        projected = attn.q_proj(x)
+        gate = None
+        if projected.shape[-1] == 2 * attn.config.num_attention_heads * dim:
+            # Qwen3.5's output gate: q_proj yields [query | gate] per head.
+            query, gate = torch.chunk(projected.view(length, -1, 2 * dim), 2, dim=-1)
+            gate = gate.reshape(length, -1)
+        else:
+            query = projected.view(length, -1, dim)
+        query = self._norm(attn.q_norm, query).transpose(0, 1)
+        key = self._norm(attn.k_norm, attn.k_proj(x).view(length, -1, dim)).transpose(0, 1)
+        value = attn.v_proj(x).view(length, -1, dim).transpose(0, 1)
+        # The family's own RoPE function (partial rotary for Qwen3.5), on (1, heads, T, d).
+        rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        query, key = rope(query[None], key[None], cos[None], sin[None])
+        query, key = query[0], key[0]
+        keys, values = self.kv[i]
+        keys.index_copy_(1, positions, key)
+        values.index_copy_(1, positions, value)
+        if visible is None:
+            out = ops.causal_attention(query, key, value, attn.scaling)
+        else:
+            out = ops.cached_attention(query, keys, values, visible, attn.scaling)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return attn.o_proj(out)
+
+    @staticmethod
+    def _split_qkv(module, qkv: torch.Tensor):
+        length = qkv.shape[0]
+        q, k, v = torch.split(qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+        return (
+            q.reshape(length, -1, module.head_k_dim),
+            k.reshape(length, -1, module.head_k_dim),
+            v.reshape(length, -1, module.head_v_dim),
+        )
+
+    def _linear_attention(self, i: int, module, x: torch.Tensor, mode: str) -> torch.Tensor:
+        """A Gated DeltaNet layer (transformers' Qwen3_5GatedDeltaNet arithmetic) over static states."""
+        states, j = self.linear, self.linear.slot[i]
+        conv, recurrent = states.conv[j], states.recurrent[j]
+        length = x.shape[0]
+        inputs = module.in_proj_qkv(x)
+        z = module.in_proj_z(x)
+        b, a = module.in_proj_b(x), module.in_proj_a(x)
+        weight = module.conv1d.weight.squeeze(1)
+        if mode == "decode":
+            qkv = ops.causal_conv_step(inputs, conv, weight, module.conv1d.bias)  # advances the window
+        else:
+            qkv = ops.causal_conv(inputs, conv, weight, module.conv1d.bias)
+        beta = b.sigmoid()
+        q, k, v = self._split_qkv(module, qkv)
+        advance, chunked = mode != "verify", mode == "prefill" and length > SHORT_PREFILL
+        out, final = ops.delta_rule(q, k, v, a, beta, module.A_log, module.dt_bias, recurrent,
+                                    output_final_state=advance, chunked=chunked)  # fmt: skip
+        if mode == "prefill":
+            conv.copy_(ops.conv_tail(conv, inputs, self.prefill_keep))
+        if advance:
+            recurrent.copy_(final)
+        else:
+            states.block_inputs[j].copy_(inputs)
+            states.block_k[:, j].copy_(k)
+            states.block_v[:, j].copy_(v)
+            states.block_a[:, j].copy_(a)
+            states.block_beta[:, j].copy_(beta)
+        out = self.gated_norms[i](out.reshape(-1, module.head_v_dim).to(x.dtype), z.reshape(-1, module.head_v_dim))
+        return module.out_proj(out.reshape(length, -1))

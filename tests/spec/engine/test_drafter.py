@@ -1,0 +1,75 @@
+"""The drafter runner drafts what `DFlashDraftModel.forward` drafts over the whole context, round after round
+(pending features of 1 .. bs tokens), for full-attention and sliding-window drafters."""
+
+import pytest
+import torch
+
+from flashdraft.drafter import DFlashDraftModel
+from flashdraft.spec.engine.drafter import DrafterRunner
+from flashdraft.spec.engine.target import TargetEngine
+
+from .. import MASK, one_thread, tiny_target  # noqa: F401 (one_thread: autouse fixture)
+from . import ATOL, CONFIGS
+
+DRAFTERS = {
+    "full": {},
+    "sliding": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6},
+}
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("kind", list(DRAFTERS))
+@torch.inference_mode()
+def test_runner_equals_the_drafter_forward(kind, config):
+    device, dtype, graphs = config
+    target = tiny_target("qwen3_5", seed=5, dtype=dtype).to(device)
+    torch.manual_seed(6)
+    bs = 6
+    drafter = DFlashDraftModel.from_target(
+        target.config, num_layers=2, block_size=bs, mask_token_id=MASK, target_layer_ids=[1, 2], **DRAFTERS[kind]
+    )
+    drafter = drafter.to(device, dtype).eval()
+    engine = TargetEngine(target, max_len=64, block_size=bs, feature_layers=[1, 2])
+    runner = DrafterRunner(drafter, engine)
+    if graphs:
+        runner.capture()
+    g = torch.Generator().manual_seed(7)
+    width = 2 * target.config.hidden_size
+    features = torch.randn(60, width, generator=g, dtype=dtype).to(device)
+    tokens = torch.randint(0, 255, (60,), generator=g).to(device)
+    embed = target.get_input_embeddings()
+
+    context = 11
+    runner.prefill(features[:context])
+    pending = 0
+    for step, new in enumerate([3, 1, bs, 2, bs, 5]):
+        runner.block_ids.fill_(MASK)
+        runner.block_ids[0] = tokens[context + pending]
+        runner.draft()
+        context += pending
+        block = torch.full((1, bs), MASK, device=device)
+        block[0, 0] = tokens[context]
+        hidden = drafter(
+            position_ids=torch.arange(context + bs, device=device)[None],
+            noise_embedding=embed(block),
+            target_hidden=features[None, :context],
+        )
+        expected = drafter.compute_logits(hidden[0, 1:], target.get_output_embeddings())
+        atol = ATOL[dtype] * max(1.0, float(expected.abs().max()))
+        err = (runner.logits - expected).abs().max().item()
+        assert err <= atol, f"round {step}: max error {err:.3g} > {atol:.3g}"
+        assert torch.equal(runner.drafts, runner.logits.argmax(dim=-1))
+        # The next round: the engine's feature buffer holds `new` verified tokens' features (then garbage).
+        engine.features.copy_(torch.randn(bs, width, generator=g, dtype=dtype).to(device))
+        engine.features[:new] = features[context : context + new]
+        runner.pending.fill_(new)
+        pending = new
+
+
+def test_drafter_must_read_the_engine_features():
+    target = tiny_target("qwen3", seed=0)
+    drafter = DFlashDraftModel.from_target(target.config, num_layers=1, block_size=4, mask_token_id=MASK,
+                                           target_layer_ids=[1])  # fmt: skip
+    engine = TargetEngine(target, max_len=16, block_size=4, feature_layers=[2])
+    with pytest.raises(ValueError, match="target layers"):
+        DrafterRunner(drafter.to(torch.float64), engine)

@@ -1,0 +1,181 @@
+"""Decoding over the engine is exact: greedy output equals the target's own greedy decoding (transformers, one
+token per cached forward) and the plain loop's drafts and acceptance; sampling keeps the target's distribution."""
+
+import pytest
+import torch
+
+from flashdraft.spec import autoregressive_generate, generate, prompt_lookup_generate
+from flashdraft.spec.engine import loop
+from flashdraft.spec.engine.drafter import DrafterRunner
+
+from .. import one_thread, random_drafter, ready, reference_greedy, tiny_target  # noqa: F401 (autouse fixture)
+from ..test_sampling import CASES, P_MIN, PROMPT, VOCAB8, _exact_joint_of_tokens_2_and_3, chi_square_pvalue
+from . import CONFIGS
+
+FAMILIES = ["qwen3_5", "qwen3"]
+BLOCK_SIZES = (2, 4, 16)
+
+
+@pytest.fixture(scope="module", params=[(f, c) for f in FAMILIES for c in CONFIGS],
+                ids=lambda p: f"{p[0]}-{p[1].id}")  # fmt: skip
+def setup(request):
+    """(target, random drafter, prompts with the target's greedy continuations, device, graphs)."""
+    family, config = request.param
+    (device, dtype, graphs), marks = config.values[0], config.marks
+    for mark in marks:
+        if mark.name == "skipif" and mark.args[0]:
+            pytest.skip(mark.kwargs["reason"])
+    target = tiny_target(family, seed=11, dtype=dtype).to(device)
+    drafter = random_drafter(target, block_size=16, seed=12).to(device)
+    g = torch.Generator().manual_seed(13)
+    with ready(target):
+        cases = []
+        for i in range(10):
+            prompt_len = 1 if i == 0 else int(torch.randint(2, 41, (1,), generator=g))
+            max_new = 50 if i < 2 else int(torch.randint(1, 40, (1,), generator=g))
+            prompt = torch.randint(0, 256, (1, prompt_len), generator=g).to(device)
+            cases.append((prompt, max_new, reference_greedy(target, prompt, max_new)))
+        yield target, drafter, cases, device, graphs
+
+
+def _check_stats(result, block_size):
+    assert sum(result.acceptance_lengths) + 1 == len(result.tokens)
+    assert all(1 <= a <= block_size for a in result.acceptance_lengths)
+    assert all(0 <= a <= o for a, o in zip(result.position_accepted, result.position_offered, strict=True))
+    assert all(a >= b for a, b in zip(result.position_accepted, result.position_accepted[1:], strict=False))
+    assert result.num_target_forwards == 1 + result.num_rounds
+
+
+def test_greedy_equals_target_greedy_and_the_plain_loop(setup):
+    target, drafter, cases, device, graphs = setup
+    with ready(target):
+        for i, (prompt, max_new, expected) in enumerate(cases):
+            bs = BLOCK_SIZES[i % len(BLOCK_SIZES)]
+            result = generate(target, drafter, prompt, max_new, block_size=bs, engine=True)
+            assert result.backend == ("engine+graphs" if graphs else "engine")
+            assert result.tokens == expected, f"prompt {i} (length {prompt.shape[1]}), block size {bs}"
+            _check_stats(result, bs)
+            if device == "cpu":  # float64: the same drafts, so the same acceptance, as transformers' forwards
+                plain = generate(target, drafter, prompt, max_new, block_size=bs, engine=False)
+                assert result.acceptance_lengths == plain.acceptance_lengths, f"prompt {i}"
+
+
+def test_baselines_equal_target_greedy(setup):
+    target, _, cases, _, _ = setup
+    with ready(target):
+        for prompt, max_new, expected in cases[:4]:
+            ar = autoregressive_generate(target, prompt, max_new, engine=True)
+            assert ar.tokens == expected and set(ar.acceptance_lengths) <= {1}
+            pl = prompt_lookup_generate(target, prompt, max_new, block_size=8, engine=True)
+            assert pl.tokens == expected
+            _check_stats(pl, 8)
+        prompt, max_new, expected = cases[0]
+        assert max(prompt_lookup_generate(target, prompt, max_new, block_size=8, engine=True).acceptance_lengths) >= 3
+
+
+class ScriptedRunner(DrafterRunner):
+    """Drafts a known continuation, wrong at `error_rate` (eagerly): acceptance lengths span 1 .. bs."""
+
+    def __init__(self, drafter, engine, script, error_rate, seed):
+        super().__init__(drafter, engine)
+        self.script, self.error_rate = script, error_rate
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def draft(self):
+        anchor = int(self.context + self.pending)
+        self.context.fill_(anchor)
+        self.pending.zero_()
+        tokens = [self.script[p] if p < len(self.script) else 0 for p in range(anchor + 1, anchor + self.block_size)]
+        wrong = (torch.rand(len(tokens), generator=self.rng) < self.error_rate).tolist()
+        tokens = [(t + 1) % 256 if w else t for t, w in zip(tokens, wrong, strict=True)]
+        self.drafts.copy_(torch.tensor(tokens))
+        self.logits.zero_().scatter_(1, self.drafts[:, None], 8.0)
+
+
+@pytest.mark.parametrize("block_size,error_rate", [(4, 0.3), (16, 0.08)])
+def test_every_acceptance_length_and_stops(setup, block_size, error_rate):
+    """Full blocks (nothing rolled back) and every partial acceptance; stop tokens and max_new_tokens exact."""
+    target, drafter, cases, device, graphs = setup
+    seen = set()
+    with ready(target):
+        for i, (prompt, max_new, expected) in enumerate(cases[:5]):
+            sess = loop.session(target, prompt.shape[1] + max_new, block_size, list(drafter.target_layer_ids), graphs)
+            sess.runners[id(drafter)] = ScriptedRunner(drafter, sess.engine, prompt[0].tolist() + expected,
+                                                       error_rate, seed=i)  # fmt: skip
+            result = generate(target, drafter, prompt, max_new, block_size=block_size, engine=True)
+            assert result.tokens == expected, f"prompt {i}"
+            _check_stats(result, block_size)
+            seen.update(a - 1 for a in result.acceptance_lengths[:-1])
+            for n in sorted({1, 2, block_size - 1, block_size + 1, max_new} & set(range(1, max_new + 1))):
+                assert generate(target, drafter, prompt, n, block_size=block_size, engine=True).tokens == expected[:n]
+            stop = expected[len(expected) // 2]
+            cut = expected[: expected.index(stop) + 1]
+            result = generate(target, drafter, prompt, max_new, block_size=block_size, stop_token_ids=[stop],
+                              engine=True)  # fmt: skip
+            assert result.tokens == cut and result.stopped
+        loop.drop_session(target)  # and the scripted runners with it
+    assert {0, block_size - 1} <= seen
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculative_sampling_equals_target_distribution(case, config):
+    """As tests/spec/test_sampling.py, through the engine (device-side rejection sampling, commits)."""
+    device, dtype, graphs = config
+    family, max_new, temperature, top_p, top_k = CASES[case]
+    target = tiny_target(family, num_layers=4, vocab_size=VOCAB8, seed=3, dtype=torch.float32).to(device)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(30)
+    drafter = random_drafter(target, block_size=3, seed=4).to(device)
+    trials = 1500
+    g = torch.Generator(device=device).manual_seed(5)
+    counts = torch.zeros(VOCAB8, VOCAB8)
+    accepted_any = 0
+    prompt = PROMPT.to(device)
+    with ready(target):
+        expected = _exact_joint_of_tokens_2_and_3(target, temperature, top_p, top_k).cpu()
+        for _ in range(trials):
+            r = generate(target, drafter, prompt, max_new, temperature, top_p, top_k, block_size=3, generator=g,
+                         engine=True)  # fmt: skip
+            counts[r.tokens[1], r.tokens[2]] += 1
+            accepted_any += any(a > 1 for a in r.acceptance_lengths)
+    pvalue = chi_square_pvalue(counts, expected)
+    assert pvalue > P_MIN, f"{case}: p-value {pvalue:.3g}"
+    assert 0.05 * trials < accepted_any < 0.95 * trials
+
+
+def test_sessions_are_reused_and_grown():
+    target = tiny_target("qwen3", seed=0)
+    with ready(target):
+        a = loop.session(target, 100, 4, None, graphs=False)
+        assert loop.session(target, 300, None, None, graphs=False) is a  # any block size, within max_len
+        b = loop.session(target, 600, 4, None, graphs=False)
+        assert b is not a and b.engine.max_len >= 600 and b.engine.block_size == 4
+        assert loop.session(target, 10, 8, None, graphs=False).engine.max_len >= 600
+
+
+def test_engine_flag():
+    moe = tiny_target("qwen3_5_moe", seed=0)
+    drafter = random_drafter(moe, block_size=4)
+    prompt = torch.tensor([[1, 2, 3]])
+    with ready(moe):
+        assert generate(moe, drafter, prompt, 3).backend == "plain"  # auto: unsupported (and on a CPU)
+        with pytest.raises(ValueError, match="MoE"):
+            generate(moe, drafter, prompt, 3, engine=True)
+    target = tiny_target("qwen3", seed=0)
+    with ready(target):
+        assert generate(target, random_drafter(target, block_size=4), prompt, 3).backend == "plain"  # CPU: auto = plain
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CPU, capturing fails for certain")
+def test_a_failed_capture_warns_and_runs_eagerly():
+    target = tiny_target("qwen3", seed=0)
+    drafter = random_drafter(target, block_size=4)
+    prompt = torch.tensor([[1, 2, 3]])
+    with ready(target):
+        with pytest.warns(UserWarning, match="capture failed"):
+            sess = loop.prepare(target, 64, 4, drafter, graphs=True)
+        assert "CUDA" in sess.capture_error and not sess.captured
+        result = loop.engine_decode(target, prompt, 8, drafter=drafter, block_size=4, graphs=True)
+        assert result.backend == "engine" and result.tokens == reference_greedy(target, prompt, 8)
+    loop.drop_session(target)

@@ -1,0 +1,159 @@
+"""The engine's target forwards equal transformers' forward of the whole sequence without a cache, through
+prefill, decode steps, verifications and commits of every length (the exact hybrid rollback)."""
+
+import pytest
+import torch
+
+from flashdraft.spec.engine.target import TargetEngine, unsupported_reason
+from flashdraft.tiny_configs import build_tiny_target
+
+from .. import one_thread, ready, tiny_target  # noqa: F401 (one_thread: autouse fixture)
+from . import ATOL, CONFIGS
+
+FAMILIES = ["qwen3_5", "qwen3"]
+
+
+@torch.inference_mode()
+def _reference_logits(target, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Logits of every position from `prompt - 1` on, by transformers.
+
+    On the CPU (float64): one forward of the whole sequence without a cache, exact. On a GPU: one cached forward
+    per token (fla's fused recurrent kernel, float32 arithmetic), as the engine runs a prompt this short: a
+    multi-token forward would run fla's chunk kernel, whose TF32 matmuls would blur the comparison.
+    """
+    if ids.device.type == "cpu":
+        return target(ids[None]).logits[0, prompt - 1 :].to(torch.float64)
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    rows = [target(ids[None, i : i + 1], past_key_values=cache, use_cache=True).logits[0] for i in range(len(ids))]
+    return torch.cat(rows[prompt - 1 :]).to(torch.float64)
+
+
+def _engine(target, graphs: bool, **kwargs) -> TargetEngine:
+    engine = TargetEngine(target, **kwargs)
+    if graphs:
+        engine.capture()
+    return engine
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_step_equals_a_full_forward_without_cache(family, config):
+    """prefill -> decode -> verify/commit with keep 1..bs in turn -> decode: each logit row equals the row of a
+    no-cache forward of the tokens so far (so the caches hold exactly the kept tokens)."""
+    device, dtype, graphs = config
+    target = tiny_target(family, seed=1, dtype=dtype).to(device)
+    bs = 5
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 256, (120,), generator=g).to(device)
+    n = prompt = 37  # odd prompt length; the cache holds tokens [0, n)
+    with ready(target):
+        expected = _reference_logits(target, ids, prompt)
+        engine = _engine(target, graphs, max_len=128, block_size=bs)
+        atol = ATOL[dtype] * max(1.0, float(expected.abs().max()))
+
+        def check(got, first, what):
+            rows = expected[first - (prompt - 1) : first - (prompt - 1) + got.shape[0]]
+            err = (got.double() - rows.to(got.device)).abs().max().item()
+            assert err <= atol, f"{what}: max error {err:.3g} > {atol:.3g}"
+
+        check(engine.prefill(ids[:n])[None], n - 1, "prefill")
+        for _ in range(3):
+            engine.decode_ids.fill_(int(ids[n]))
+            engine.decode()
+            check(engine.decode_logits, n, f"decode at {n}")
+            n += 1
+        # Each verification is fed the true next tokens; keeping k of them must leave the cache at n + k.
+        for keep in [1, 2, bs, 3, bs - 1, 1, bs, 2]:
+            engine.verify_ids.copy_(ids[n : n + bs])
+            engine.verify()
+            check(engine.verify_logits, n, f"verify at {n}")
+            engine.keep.fill_(keep)
+            engine.commit()
+            engine.note_committed(keep)
+            n += keep
+            engine.decode_ids.fill_(int(ids[n]))
+            engine.decode()
+            check(engine.decode_logits, n, f"decode after keeping {keep}")
+            n += 1
+        assert engine.num_tokens == n and int(engine.length) == n
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_features_are_the_hidden_states_of_the_feature_layers(family):
+    target = tiny_target(family, seed=3)
+    ids = torch.randint(0, 256, (1, 9))
+    with ready(target), torch.inference_mode():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+        engine = TargetEngine(target, max_len=32, block_size=4, feature_layers=[0, 2])
+        engine.prefill(ids[0])
+        expected = torch.cat([hidden[1][0], hidden[3][0]], dim=-1)
+        torch.testing.assert_close(engine.prompt_features, expected, rtol=0, atol=1e-12)
+        # A verification of the next tokens yields their features.
+        more = torch.randint(0, 256, (1, 4))
+        hidden = target(torch.cat([ids, more], 1), output_hidden_states=True).hidden_states
+        engine.verify_ids.copy_(more[0])
+        engine.verify()
+        expected = torch.cat([hidden[1][0, 9:], hidden[3][0, 9:]], dim=-1)
+        torch.testing.assert_close(engine.features, expected, rtol=0, atol=1e-12)
+
+
+def test_unsupported_targets_are_named():
+    moe = build_tiny_target("qwen3_5_moe")
+    assert "MoE" in unsupported_reason(moe)
+    with pytest.raises(ValueError, match="cannot run this target"):
+        TargetEngine(moe, max_len=16, block_size=4)
+    assert unsupported_reason(build_tiny_target("qwen3_5")) is None
+    assert unsupported_reason(build_tiny_target("qwen3")) is None
+
+
+def test_bad_arguments():
+    target = tiny_target("qwen3", seed=0)
+    engine = TargetEngine(target, max_len=8, block_size=4)
+    with pytest.raises(ValueError, match="max_len"):
+        engine.prefill(torch.zeros(9, dtype=torch.long))
+    with pytest.raises(ValueError, match="feature_layers"):
+        TargetEngine(target, max_len=8, block_size=4, feature_layers=[7])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA graphs need a CUDA target"):
+            engine.capture()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA configuration runs these kernels for real")
+def test_the_gpu_conv_kernels_roll_back_exactly_too(monkeypatch):
+    """The engine's GPU conv path (flashdraft's Triton conv with initial states, and its one-token update), run
+    under the Triton interpreter in float32: same logits as transformers through decode, verify and commit."""
+    import importlib.util
+    from pathlib import Path
+
+    from flashdraft.spec.engine import ops
+
+    # tests/kernels/conftest.py imports an interpreted copy of flashdraft.kernels (and leaves the real one alone).
+    spec = importlib.util.spec_from_file_location(
+        "_kernels_conftest", Path(__file__).parents[2] / "kernels/conftest.py"
+    )
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    KERNELS = conftest.KERNELS
+    monkeypatch.setattr(ops, "_triton_conv", lambda x: True)
+    monkeypatch.setattr(ops, "_kernels", lambda: KERNELS)
+    target = tiny_target("qwen3_5", seed=1, dtype=torch.float32)
+    ids = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(2))
+    with ready(target), torch.inference_mode():
+        expected = target(ids[None]).logits[0]
+        engine = TargetEngine(target, max_len=64, block_size=5)
+        n = 17
+        torch.testing.assert_close(engine.prefill(ids[:n]), expected[n - 1], rtol=0, atol=1e-5)
+        for keep in [1, 3, 5, 2]:
+            engine.decode_ids.fill_(int(ids[n]))
+            engine.decode()
+            torch.testing.assert_close(engine.decode_logits[0], expected[n], rtol=0, atol=1e-5)
+            n += 1
+            engine.verify_ids.copy_(ids[n : n + 5])
+            engine.verify()
+            torch.testing.assert_close(engine.verify_logits, expected[n : n + 5], rtol=0, atol=1e-5)
+            engine.keep.fill_(keep)
+            engine.commit()
+            engine.note_committed(keep)
+            n += keep
