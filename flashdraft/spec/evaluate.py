@@ -391,7 +391,8 @@ def add_parser(subparsers) -> None:
         "--engine",
         choices=("auto", "on", "off"),
         default="auto",
-        help="auto: flashdraft's engine (static caches, CUDA graphs) on a CUDA target it supports; off: transformers",
+        help="on: flashdraft's engine (static caches, CUDA graphs; dense Qwen3.5/Qwen3 on CUDA); off: transformers; "
+        "auto: off until the engine is verified on a GPU",
     )
     p.set_defaults(run=run)
 
