@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", type=Path, default=Path("build/tiny_target/corpus"))
     p.add_argument("--out", type=Path, default=Path("build/tiny_target/target"))
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=900)
     p.add_argument("--batch", type=int, default=48)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(a.seed)
     a.out.mkdir(parents=True, exist_ok=True)
     rows, start, tokens_seen, stopped_early, step = [], time.perf_counter(), 0, False, 0
+    best = (float("inf"), 0, None)
     model.train()
     for step in range(a.steps):
         # The schedule runs over whichever ends first, the steps or the time budget, so a slower GPU still
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         if (step + 1) % a.eval_every == 0 or step + 1 == a.steps:
             held = heldout_loss(model, held_tokens, a.seq, device)
             rows.append({"step": step + 1, "heldout_loss": held})
+            if held < best[0]:  # keep the weights of the best held-out loss (a 4 M-token corpus overfits)
+                best = (held, step + 1, {k: v.detach().clone() for k, v in model.state_dict().items()})
             print(f"step {step + 1}/{a.steps}  loss {float(loss.detach()):.3f}  held-out {held:.3f}  "
                   f"{tokens_seen / (time.perf_counter() - start):,.0f} tok/s", flush=True)  # fmt: skip
     else:
@@ -173,8 +176,14 @@ def main(argv: list[str] | None = None) -> None:
     if stopped_early:
         print(f"stopped at step {step}: the --max-minutes {a.max_minutes} budget ended the schedule")
     if rows[-1].get("step") != step or "heldout_loss" not in rows[-1]:
-        rows.append({"step": step, "heldout_loss": heldout_loss(model, held_tokens, a.seq, device)})
+        held = heldout_loss(model, held_tokens, a.seq, device)
+        rows.append({"step": step, "heldout_loss": held})
+        if held < best[0]:
+            best = (held, step, None)
     elapsed = time.perf_counter() - start
+    if best[2] is not None:
+        model.load_state_dict(best[2])
+    print(f"kept the weights of step {best[1]} (held-out loss {best[0]:.3f})")
     model.to(torch.bfloat16).save_pretrained(a.out, safe_serialization=True)
     tokenizer.save_pretrained(a.out)
     with open(a.out / "metrics.jsonl", "w") as fh:
@@ -182,11 +191,12 @@ def main(argv: list[str] | None = None) -> None:
     plot(rows, a.out / "loss_curve.png")
     summary = {"params": params, "steps": step, "seconds": elapsed, "tokens": tokens_seen,
                "stopped_early": stopped_early, "final_heldout_loss": rows[-1].get("heldout_loss"),
+               "kept_step": best[1], "kept_heldout_loss": best[0],
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "args": {k: str(v) for k, v in vars(a).items()}}  # fmt: skip
     (a.out / "training_summary.json").write_text(json.dumps(summary, indent=1))
     print(f"trained {step} steps in {elapsed:.0f} s ({tokens_seen:,} tokens); held-out loss "
-          f"{summary['final_heldout_loss']:.3f}; wrote {a.out}")  # fmt: skip
+          f"{best[0]:.3f} (step {best[1]}); wrote {a.out}")  # fmt: skip
     if device.type == "cuda":
         shutil.copy(a.out / "loss_curve.png", a.out.parent / "target_loss_curve.png")
 
