@@ -146,6 +146,18 @@ def test_one_process_checkpoint_resumes_on_two(one_proc, tmp_path):
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+def test_periodic_tau_with_a_sharded_drafter_neither_hangs_nor_changes_the_losses(one_proc, tmp_path):
+    """Every rank gathers the FSDP2 drafter, rank 0 decodes while the others wait in the next step's collective."""
+    out = tmp_path / "run"
+    run = torchrun(["train", "--out", str(out), *RUN, "data.eval_prompts=embedded", "data.eval_limit=1",
+                    "data.eval_max_new_tokens=4", "log.eval_every=2"], timeout=240)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "tau" in r] == [2] and rows[1]["tau"] >= 1
+    one = _losses(one_proc)
+    assert _losses(out) == pytest.approx(one, rel=RTOL)
+
+
 def test_a_sharded_target_gives_the_losses_of_one_process(one_proc, tmp_path):
     run = torchrun(["train", "--out", str(tmp_path / "run"), *RUN, "target.shard=true"])
     assert run.returncode == 0, run.stderr[-3000:]
