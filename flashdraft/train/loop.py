@@ -134,9 +134,9 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
     """
     mark = mark or _no_mark
     attention = attention_kind(cfg.train.attention, s.device)
-    micro = [_collate(s.data, idx, s.device) for idx in step_indices(s, cfg, step)]
-    epoch = step // s.steps_per_epoch
     indices = step_indices(s, cfg, step)
+    micro = [_collate(s.data, idx, s.device) for idx in indices]
+    epoch = step // s.steps_per_epoch
     batches = [_blocks(s, cfg, ids, mask, idx, epoch) for (ids, mask, _), idx in zip(micro, indices, strict=True)]
     # Over the whole global step (every micro-batch of every rank): each token weighs the same whatever the split.
     denominator = distributed.all_sum(sum(b.weights.sum() for b in batches)).clamp(min=1e-6)
