@@ -19,9 +19,11 @@ stage corpus && t python3 examples/tiny_target/corpus.py --out "$B/corpus"
 stage target && t python3 examples/tiny_target/train_target.py --corpus "$B/corpus" --out "$B/target" ${TARGET_ARGS:-}
 if stage regen; then
   for temp in 0 1; do
-    t $FD regenerate --target "$B/target" --data "$B/corpus/drafter_prompts.jsonl" --out "$B/regen_t$temp.jsonl" \
-      --temperature $temp --max-new-tokens ${REGEN_TOKENS:-192} --batch-size ${REGEN_BATCH:-256} --no-progress \
-      ${REGEN_ARGS:-}
+    # Resumable: with REGEN_TIMEOUT set, a run that is stopped keeps what it wrote, and the next run continues it.
+    t ${REGEN_TIMEOUT:+timeout $REGEN_TIMEOUT} $FD regenerate --target "$B/target" \
+      --data "$B/corpus/drafter_prompts.jsonl" --out "$B/regen_t$temp.jsonl" --temperature $temp \
+      --max-new-tokens ${REGEN_TOKENS:-192} --batch-size ${REGEN_BATCH:-256} --no-progress ${REGEN_ARGS:-} \
+      || echo "regenerate T=$temp stopped after ${REGEN_TIMEOUT:-?} s; $(wc -l < "$B/regen_t$temp.jsonl") rows kept"
   done
 fi
 stage drafter && t ${DRAFTER_TIMEOUT:+timeout $DRAFTER_TIMEOUT} $FD train --config examples/tiny_target/drafter.yaml \

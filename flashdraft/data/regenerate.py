@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,11 +96,24 @@ def _generate(model, tokenizer, texts: list[str], temperature: float, max_new_to
     tokenizer.padding_side = "left"
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     torch.manual_seed(seed)
-    out = model.generate(
-        **batch, max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature or None,
-        top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    with _sdpa_without_cudnn(model.device):
+        out = model.generate(
+            **batch, max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature or None,
+            top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
     return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def _sdpa_without_cudnn(device: torch.device):
+    """SDPA minus the cuDNN backend on a GPU: cuDNN plans every new key length (each decode step's is new) and that
+    host-side planning cost ~4.7 ms per call on an H200 (issue 10's measurement), more than the tiny target's step."""
+    import contextlib
+
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 BACKENDS = ("auto", "hf", "vllm", "sglang")
@@ -189,12 +203,17 @@ def regenerate(target, tokenizer, data: list[str], out: str | Path, *, temperatu
             break
         if index not in done:
             jobs.append(_job(index, rec.where(), rec.data))
-    counts = {"read": len(jobs) + len(done), "written": 0, "already_done": len(done)}
+    counts = {"read": len(jobs) + len(done), "written": 0, "already_done": len(done), "seconds": 0.0}
+    texts = {j.index: _render(j, tokenizer) for j in jobs}
+    if isinstance(generate, HFGenerator):
+        # Batches of similar prompt lengths waste less on left padding; rows keep their record's `_index`.
+        jobs.sort(key=lambda j: len(texts[j.index]))
+    started = time.perf_counter()
     with open(out, "a") as fh, Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("regenerate", total=len(jobs))
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start : start + batch_size]
-            replies = generate([_render(j, tokenizer) for j in chunk], temperature, max_new_tokens, seed + start)
+            replies = generate([texts[j.index] for j in chunk], temperature, max_new_tokens, seed + start)
             for job, reply in zip(chunk, replies, strict=True):
                 row = ({"messages": [*job.messages, {"role": "assistant", "content": reply}]} if job.kind == "chat"
                        else {"prompt": job.prompt, "response": reply})  # fmt: skip
@@ -203,6 +222,7 @@ def regenerate(target, tokenizer, data: list[str], out: str | Path, *, temperatu
             os.fsync(fh.fileno())
             counts["written"] += len(chunk)
             bar.advance(task, len(chunk))
+    counts["seconds"] = round(time.perf_counter() - started, 1)
     return counts
 
 
@@ -265,5 +285,5 @@ def run(args) -> int:
                         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,
                         seed=args.seed, progress=not args.no_progress)  # fmt: skip
     Console().print(f"regenerated {counts['written']} records with {backend} into {args.out} "
-                    f"({counts['already_done']} already done, {counts['read']} read)", soft_wrap=True)  # fmt: skip
+                    f"({counts['already_done']} already done, {counts['read']} read) in {counts['seconds']} s", soft_wrap=True)  # fmt: skip
     return 0
