@@ -20,9 +20,10 @@ if [ -n "${GPU_TESTS:-}" ]; then
 fi
 rest=$(echo " $STAGES " | sed 's/ target / /')
 STAGES="$rest" bash examples/tiny_target/pipeline.sh 2>&1 | grep -v "Loading weights\|Writing model" | tee "$OUT/pipeline.log" | tail -30
+# The whole latest checkpoint (drafter, optimizer, RNG): a later call can go on with --resume.
 latest=$(ls -d $B/drafter_run/checkpoints/step_* 2>/dev/null | tail -1)
 parts=$(cd build && ls -d tiny_target/regen_t*.jsonl tiny_target/eval_t* tiny_target/drafter_run/*.json* \
-  tiny_target/drafter_run/*.png ${latest:+tiny_target/drafter_run/checkpoints/$(basename $latest)/drafter} 2>/dev/null)
+  tiny_target/drafter_run/*.png ${latest:+tiny_target/drafter_run/checkpoints/$(basename $latest)} 2>/dev/null)
 [ -n "$parts" ] && tar czf "$OUT/artefacts.tgz" -C build $parts
 if [ -n "${TESTS_PID:-}" ]; then wait $TESTS_PID; echo "GPU tests:"; tail -15 "$OUT/gpu_tests.log"; fi
 ls -la "$OUT"

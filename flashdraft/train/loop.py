@@ -33,6 +33,7 @@ from flashdraft.train.accel import attention_kind, compile_layers, drafter_mask
 from flashdraft.train.checkpoint import CheckpointManager
 from flashdraft.train.metrics import MetricsLogger, plot_training_curve
 from flashdraft.train.optim import build_optimizer, build_scheduler
+from flashdraft.train.stop import GracefulStop
 
 logger = logging.getLogger(__name__)
 PEAK_FLOPS = {"cuda": 790e12}  # measured bf16 matmul rate of an H200 (DESIGN.md); MFU is not reported elsewhere
@@ -51,6 +52,7 @@ class TrainResult:
     measured_tau: float | None
     checkpoint: Path | None
     curve: Path | None
+    stopped_by: str | None = None  # the signal that ended the run early (SIGTERM, SIGINT), if one did
 
 
 @dataclass
@@ -88,8 +90,8 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
     # The checkpoint resumed from, not a second latest(): that would hash every checkpoint again and repeat the
     # warning about each damaged one it skips.
     window, last_ckpt, timer = None, latest, _Timer(s.device)
-    skipped = 0
-    with metrics.progress():
+    skipped, stopped_by = 0, None
+    with metrics.progress(), GracefulStop() as stop:
         metrics.advance(start)
         for step in range(start, s.total_steps):
             stats, tokens, finite = train_step(s, cfg, optimizer, step)
@@ -112,9 +114,23 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
                     timer.take()  # decoding time is not training throughput
                 metrics.log(done, row)
                 window = None
-            if done % cfg.log.checkpoint_every == 0 or done == s.total_steps:
+            halt = stop.requested(s.device)
+            if done % cfg.log.checkpoint_every == 0 or done == s.total_steps or halt:
                 last_ckpt = checkpoints.save(done, s.drafter, optimizer, scheduler, {"step": done})
+            if halt:
+                stopped_by = stop.signal_name or "another rank's signal"
+                if window is not None:  # the steps since the last log line are not lost from the metrics
+                    row = summarize(window, timer.take(), s, scheduler.get_last_lr()[0]) | {"skipped": skipped}
+                    metrics.log(done, row)
+                logger.warning("%s: stopped after step %d of %d; checkpoint %s (continue with --resume)",
+                               stopped_by, done, s.total_steps, last_ckpt)  # fmt: skip
+                break
     metrics.close()
+    if stopped_by is not None:
+        # No final τ measurement: a stopped job should leave within its grace period.
+        main = distributed.world().is_main  # every stop logged a metrics row (above, or at a log step)
+        curve = plot_training_curve(out / "metrics.jsonl", out / "training_curve.png") if main else None
+        return TrainResult(out, done, float("nan"), float("nan"), None, last_ckpt, curve, stopped_by)
     # Decoding (the measured τ) and the report are rank 0's, on a plain copy of the (sharded) drafter.
     s.drafter = distributed.gather_drafter(s.drafter)
     if s.drafter is None:

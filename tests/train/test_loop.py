@@ -1,7 +1,9 @@
 """The training loop end to end on the embedded default (CPU): outputs, exact resume, clear failures."""
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -120,6 +122,41 @@ def test_non_finite_steps_can_be_skipped_and_counted(tmp_path, monkeypatch):
     assert [r["skipped"] for r in rows] == [0, 1, 1, 2, 2, 2]
     weights = load_file(out / "checkpoints" / "step_00000006" / "drafter" / "model.safetensors")
     assert all(torch.isfinite(w).all() for w in weights.values())  # no NaN update was applied
+
+
+def _signal_at_call(monkeypatch, n: int, sig=signal.SIGTERM):
+    """Send `sig` to this process from inside the n-th loss computation (as a scheduler would, mid-step)."""
+    real, calls = loop.dflash_loss, {"n": 0}
+
+    def signalling(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            os.kill(os.getpid(), sig)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "dflash_loss", signalling)
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(full_run, tmp_path, monkeypatch):
+    full, _ = full_run
+    out = tmp_path / "stopped"
+    _signal_at_call(monkeypatch, 4)  # during step 4
+    before = signal.getsignal(signal.SIGTERM)
+    result = loop.train(_cfg(out))
+    assert result.stopped_by == "SIGTERM" and result.steps == 4 and result.measured_tau is None
+    assert result.checkpoint.name == "step_00000004"  # not a checkpoint_every step: written because of the stop
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is removed after the run
+    monkeypatch.undo()
+    loop.train(_cfg(out), resume=True)
+    assert _losses(out) == _losses(full)
+
+
+def test_a_stop_logs_the_steps_since_the_last_log_line(tmp_path, monkeypatch):
+    _signal_at_call(monkeypatch, 2, signal.SIGINT)
+    result = loop.train(_cfg(tmp_path / "stopped", "log.every=5"))
+    assert result.stopped_by == "SIGINT" and result.steps == 2
+    assert list(_losses(tmp_path / "stopped")) == [2]
+    assert (tmp_path / "stopped" / "training_curve.png").is_file()
 
 
 def test_cli_runs_the_embedded_default_and_reports(tmp_path):

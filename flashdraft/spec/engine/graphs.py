@@ -8,6 +8,8 @@ capture), then one capture. Warm-up calls really run: a caller captures before i
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections.abc import Callable
 
 import torch
@@ -28,8 +30,11 @@ class Step:
                 self.fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.fn()
+        try:
+            with _no_garbage_collection(), torch.cuda.graph(graph, pool=pool):
+                self.fn()
+        except Exception as exc:
+            raise RuntimeError(f"capturing step '{self.name}': {exc}") from exc
         self.graph = graph
 
     def __call__(self) -> None:
@@ -40,6 +45,25 @@ class Step:
 
     def reset(self) -> None:
         self.graph = None
+
+
+@contextlib.contextmanager
+def _no_garbage_collection():
+    """Collect now, and not during the capture.
+
+    A dead reference cycle (an engine dropped for a larger one: its steps hold bound methods of it) may hold
+    CUDA graphs and memory; collected in the middle of a capture, their destructors free device memory, which is
+    illegal while a stream is capturing and spoils the capture ("operation failed due to a previous error
+    during capture"). torch.cuda.graph no longer collects on entry (torch.compiler.config.force_cudagraph_gc).
+    """
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def capture_all(steps: list[Step]) -> None:

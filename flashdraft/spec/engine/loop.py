@@ -52,6 +52,13 @@ class Session:
             warnings.warn(f"flashdraft engine: CUDA graph capture failed, running eagerly ({self.capture_error})",
                           stacklevel=3)  # fmt: skip
 
+    def close(self) -> None:
+        """Release the CUDA graphs now (steps and engines reference each other: left to the cyclic garbage
+        collector, they would be freed at an unknown moment)."""
+        for step in [*self.engine.steps.values(), *(r.step for r in self.runners.values())]:
+            step.reset()
+        self.runners.clear()
+
     @property
     def captured(self) -> bool:
         return self.engine.captured and all(r.step.graph is not None for r in self.runners.values())
@@ -77,8 +84,11 @@ def current_session(target: torch.nn.Module) -> Session | None:
 
 def drop_session(target: torch.nn.Module) -> None:
     """Free the target's engine (caches, graphs)."""
-    if target.__dict__.pop(_ATTRIBUTE, None) is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    dropped = target.__dict__.pop(_ATTRIBUTE, None)
+    if dropped is not None:
+        dropped.close()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def session(
