@@ -187,6 +187,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny hybrid target on the CPU, graphs off")
     ap.add_argument("--layers", type=int, default=64, help="target layers (a multiple of 4; 64 = the 27B)")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per measurement")
+    ap.add_argument("--context", type=int, action="append", default=None,
+                    help=f"context length to measure (repeatable; default {' and '.join(map(str, CONTEXTS))})")
     ap.add_argument("--json", default=None, help="default: $OUT/spec_engine.json")
     a = ap.parse_args()
     if a.layers % 4:
@@ -195,7 +197,7 @@ def main() -> None:
         raise SystemExit("no CUDA device: run with --smoke for the CPU check")
     out_dir = Path(os.environ.get("OUT", "bench/results/local"))
     out_path = Path(a.json) if a.json else out_dir / "spec_engine.json"
-    contexts = SMOKE_CONTEXTS if a.smoke else CONTEXTS
+    contexts = a.context or (SMOKE_CONTEXTS if a.smoke else CONTEXTS)
     iters = a.iters or (3 if a.smoke else 10)
     graphs = not a.smoke
     t0 = time.perf_counter()

@@ -60,7 +60,8 @@ class DrafterConfig:
     mask_token_id: int | None = None
     """Token id of MASK; default chosen from the tokenizer's unused ids (see flashdraft.drafter.mask_token)."""
     init_from: str | None = None
-    """An existing drafter checkpoint to fine-tune instead of a fresh initialisation."""
+    """An existing drafter checkpoint to fine-tune instead of a fresh initialisation ('embedded': the shipped one,
+    trained for the embedded target)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Qwen3 config fields of the drafter that differ from the target's (e.g. intermediate_size)."""
 

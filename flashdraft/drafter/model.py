@@ -96,6 +96,9 @@ def attend(
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale, **gqa)
 
 
+SHORT_FLEX_QUERIES = 128  # FlexAttention's sparse block size
+
+
 def _flex(query, key, value, block_mask: BlockMask, *, scale: float, dropout: float) -> torch.Tensor:
     if dropout:
         raise ValueError(f"FlexAttention has no attention dropout (attention_dropout = {dropout}); use the SDPA path")
@@ -114,8 +117,11 @@ def _flex(query, key, value, block_mask: BlockMask, *, scale: float, dropout: fl
         fn = flex_attention
     else:
         fn = _compiled_flex()
+    # torch 2.11's forward lowering finds no valid kernel config for short query lengths (96 queries, H200;
+    # bench/NOTES-train-speed.md) unless its tile is given; long sequences keep the tuned defaults.
+    options = {"BLOCK_M": 64, "BLOCK_N": 64} if query.shape[-2] < SHORT_FLEX_QUERIES else None
     with torch.autocast(device, enabled=False):
-        return fn(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        return fn(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa, kernel_options=options)
 
 
 @functools.cache

@@ -435,15 +435,16 @@ def run(args) -> int:
     from flashdraft import embedded
 
     if not args.target and not args.drafter:
-        # The embedded default: its tiny target, the drafter `flashdraft train` wrote to runs/default, its prompts.
+        # The embedded default: its tiny trained target, the drafter `flashdraft train` wrote to runs/default (or,
+        # before any run, the drafter shipped with it), its held-out prompts.
         from flashdraft.train.checkpoint import CheckpointManager
 
-        latest = CheckpointManager(embedded.DEFAULT_RUN).latest()
+        latest = CheckpointManager(embedded.DEFAULT_RUN).latest() if embedded.DEFAULT_RUN.is_dir() else None
         if latest is None:
-            print(f"flashdraft eval: no --target/--drafter, and no embedded-default drafter in {embedded.DEFAULT_RUN} "
-                  "yet: run `flashdraft train` first, or give --target and --drafter", file=sys.stderr)  # fmt: skip
-            return EXIT_BAD_INPUT
-        args.target, args.drafter = embedded.EMBEDDED, str(latest / "drafter")
+            print(f"flashdraft eval: no run in {embedded.DEFAULT_RUN}: evaluating the drafter shipped with the "
+                  "embedded target", file=sys.stderr)  # fmt: skip
+        args.target = embedded.EMBEDDED
+        args.drafter = str(embedded.drafter_dir() if latest is None else latest / "drafter")
         args.prompts = args.prompts or str(embedded.eval_prompts())
     if not args.target or not args.drafter:
         print(

@@ -234,18 +234,18 @@ def load_bench_target(cfg):
 
     from flashdraft import embedded
     from flashdraft.target import FrozenTarget, load_target
-    from flashdraft.train.loop import _default_ids, _device, _dtype
+    from flashdraft.train.loop import _default_ids, _device, _dtype, captured_layer_ids
 
     device = _device(cfg.train.device)
     dtype = _dtype(cfg.target.dtype, device)
     torch.manual_seed(cfg.train.seed)
     if cfg.target.path == embedded.EMBEDDED:
         model = embedded.build_target(dtype=dtype, device=device)
-        ids = cfg.drafter.target_layer_ids or _default_ids(model.config.num_hidden_layers, cfg.drafter.num_layers)
+        ids = captured_layer_ids(cfg) or _default_ids(model.config.num_hidden_layers, cfg.drafter.num_layers)
         target = FrozenTarget.from_model(model, ids)
         tokenizer_path = cfg.data.tokenizer or str(embedded.tokenizer_dir())
     else:
-        target = load_target(cfg.target.path, target_layer_ids=cfg.drafter.target_layer_ids, dtype=dtype,
+        target = load_target(cfg.target.path, target_layer_ids=captured_layer_ids(cfg), dtype=dtype,
                              device=device, trust_remote_code=cfg.target.trust_remote_code,
                              attn_implementation=cfg.target.attn_implementation)  # fmt: skip
         tokenizer_path = cfg.data.tokenizer or cfg.target.path

@@ -326,6 +326,7 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
 
     hf_logging.disable_progress_bar()  # transformers' per-checkpoint tqdm bars would tear the rich progress bar
     offline = bool(cfg.data.features) if offline is None else offline
+    layer_ids = captured_layer_ids(cfg)
     device = _device(cfg.train.device)
     dtype = _dtype(cfg.target.dtype, device)
     # target.shard: the whole target never sits on one GPU; it loads into CPU memory and each rank keeps 1/N.
@@ -340,13 +341,13 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
         from flashdraft.features import FeatureStore
 
         features = FeatureStore(cfg.data.features, device=device)
-        target = features.head_target(cfg.drafter.target_layer_ids)
+        target = features.head_target(layer_ids)
     elif cfg.target.path == embedded.EMBEDDED:
         model = embedded.build_target(dtype=dtype, device=load_on)
-        ids = cfg.drafter.target_layer_ids or _default_ids(model.config.num_hidden_layers, cfg.drafter.num_layers)
+        ids = layer_ids or _default_ids(model.config.num_hidden_layers, cfg.drafter.num_layers)
         target = FrozenTarget.from_model(model, ids)
     else:
-        target = load_target(cfg.target.path, target_layer_ids=cfg.drafter.target_layer_ids, dtype=dtype,
+        target = load_target(cfg.target.path, target_layer_ids=layer_ids, dtype=dtype,
                              device=load_on, trust_remote_code=cfg.target.trust_remote_code,
                              attn_implementation=cfg.target.attn_implementation)  # fmt: skip
     if cfg.target.shard and not offline:
@@ -369,9 +370,22 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
     return device, tokenizer, target, data, features
 
 
+def captured_layer_ids(cfg: RunConfig) -> list[int] | None:
+    """The target layers to capture: drafter.target_layer_ids, else those of the drafter fine-tuned from
+    (drafter.init_from), else None (the default spread over the target)."""
+    if cfg.drafter.target_layer_ids is not None or not cfg.drafter.init_from:
+        return cfg.drafter.target_layer_ids
+    source = embedded.drafter_dir() if cfg.drafter.init_from == embedded.EMBEDDED else Path(cfg.drafter.init_from)
+    config = source / "config.json"
+    if not config.is_file():
+        return None  # from_pretrained reports the missing checkpoint with its own message
+    return list(json.loads(config.read_text()).get("dflash_config", {}).get("target_layer_ids") or []) or None
+
+
 def _drafter(cfg: RunConfig, target, tokenizer) -> DFlashDraftModel:
     if cfg.drafter.init_from:
-        drafter = DFlashDraftModel.from_pretrained(cfg.drafter.init_from)
+        source = embedded.drafter_dir() if cfg.drafter.init_from == embedded.EMBEDDED else cfg.drafter.init_from
+        drafter = DFlashDraftModel.from_pretrained(source)
         if list(drafter.target_layer_ids) != list(target.target_layer_ids):
             raise ValueError(f"drafter.init_from: its target_layer_ids {drafter.target_layer_ids} differ from the "
                              f"target's captured layers {target.target_layer_ids}")  # fmt: skip

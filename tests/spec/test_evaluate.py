@@ -177,11 +177,17 @@ def test_chat_template_and_empty_file(tmp_path):
         evaluate.load_prompts(_write(tmp_path / "empty.jsonl", ["", "  "]), tokenizer)
 
 
-def test_missing_target_or_drafter_exits_2(capsys, tmp_path, monkeypatch):
+def test_before_any_run_the_shipped_drafter_is_evaluated(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no runs/default here
-    args = _args("--prompts", "x.jsonl")
-    assert args.run(args) == 2
-    assert "run `flashdraft train` first" in capsys.readouterr().err
+    args = _args("--limit", "1", "--max-new-tokens", "6", "--json", str(tmp_path / "r.json"), "--no-progress")
+    assert args.run(args) == 0
+    assert "evaluating the drafter shipped with the embedded target" in capsys.readouterr().err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["drafter"].endswith("assets/embedded/drafter") and report["greedy_mismatches"] == 0
+
+
+def test_missing_target_or_drafter_exits_2(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     args = _args("--target", "somewhere", "--prompts", "x.jsonl")
     assert args.run(args) == 2
     assert "give both --target and --drafter" in capsys.readouterr().err
