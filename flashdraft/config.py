@@ -178,6 +178,8 @@ class RunConfig:
     def validate(self) -> RunConfig:
         checks = [
             ("drafter.num_layers", self.drafter.num_layers >= 1, "must be >= 1"),
+            ("drafter.overrides", not (self.drafter.overrides and self.drafter.init_from),
+             "cannot change a drafter loaded from drafter.init_from (set drafter.init_from: null to train a new one)"),
             ("drafter.block_size", self.drafter.block_size >= 2, "must be >= 2 (the anchor plus one drafted token)"),
             ("data.max_length", self.data.max_length >= self.drafter.block_size, "must be >= drafter.block_size"),
             ("data.overlong", self.data.overlong in ("truncate", "drop"), "must be 'truncate' or 'drop'"),

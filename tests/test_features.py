@@ -52,14 +52,14 @@ def test_features_are_what_the_target_captures(features, data):
     _, _, target, dataset, _ = loop.load_inputs(cfg, root / "run", None, offline=False)
     store = FeatureStore(str(root / "features"))
     index = json.loads((root / "features" / "features.json").read_text())
-    assert result.samples == len(dataset) == index["num_samples"] and index["target_layer_ids"] == [1, 5]
+    assert result.samples == len(dataset) == index["num_samples"] and index["target_layer_ids"] == [1, 2, 3, 4, 5]  # the shipped drafter's
     for i in (0, 7, len(dataset) - 1):
         ids = torch.tensor(dataset[i][0], dtype=torch.long)[None]
         expected = target.capture(ids, torch.ones_like(ids))[0]
         got = store.sample(i)
         assert got.dtype == expected.dtype and torch.equal(got, expected), i
-    # Only the captured layers: 2 layers x hidden 64 per token.
-    assert store.sample(0).shape == (len(dataset[0][0]), 2 * 64)
+    # Only the captured layers: 5 layers x hidden 256 per token.
+    assert store.sample(0).shape == (len(dataset[0][0]), 5 * 256)
     head = store.head_target()
     assert torch.equal(head.lm_head_weight, target.lm_head_weight)
     assert torch.equal(head.embed(torch.arange(5)[None]), target.embed(torch.arange(5)[None]))
@@ -109,8 +109,8 @@ def test_features_on_s3(features, data, s3, tmp_path):  # noqa: F811 (the fixtur
         remote, local = FeatureStore(url), FeatureStore(str(root / "features"))
         for i in (0, 3, remote.index["num_samples"] - 1):
             assert torch.equal(remote.sample(i), local.sample(i))
-        batch = remote.batch([2, 5], 300)
-        assert batch.shape == (2, 300, 128)
+        batch = remote.batch([2, 5], 400)  # longer than any sample (data.max_length 320): padded
+        assert batch.shape == (2, 400, local.width)
         assert torch.equal(batch[1, : len(local.sample(5))], local.sample(5)) and not batch[1, len(local.sample(5)) :].any()
 
 

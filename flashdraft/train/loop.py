@@ -386,6 +386,11 @@ def _drafter(cfg: RunConfig, target, tokenizer) -> DFlashDraftModel:
     if cfg.drafter.init_from:
         source = embedded.drafter_dir() if cfg.drafter.init_from == embedded.EMBEDDED else cfg.drafter.init_from
         drafter = DFlashDraftModel.from_pretrained(source)
+        for name, want, got in (("block_size", cfg.drafter.block_size, drafter.block_size),
+                                ("num_layers", cfg.drafter.num_layers, len(drafter.layers))):  # fmt: skip
+            if want != got:
+                raise ValueError(f"drafter.{name} = {want}, but the drafter of drafter.init_from ({source}) was "
+                                 f"trained with {got}: set drafter.{name}: {got}, or drafter.init_from: null")  # fmt: skip
         if list(drafter.target_layer_ids) != list(target.target_layer_ids):
             raise ValueError(f"drafter.init_from: its target_layer_ids {drafter.target_layer_ids} differ from the "
                              f"target's captured layers {target.target_layer_ids}")  # fmt: skip

@@ -279,7 +279,7 @@ def test_train_passes_the_config_value(tiny_models, hf_calls, capsys, tmp_path, 
     torch.set_num_threads(1)  # a tiny model: more threads only contend on a busy 2-core machine
     try:
         code, out, err = run_cli(["train", "--out", str(tmp_path / "run"), f"target.path={tiny_models / 'target'}",
-                                  "drafter.target_layer_ids=[1,2]", "train.max_steps=1", "data.eval_limit=1",
+                                  "drafter.init_from=null", "drafter.target_layer_ids=[1,2]", "train.max_steps=1", "data.eval_limit=1",
                                   "data.eval_max_new_tokens=2"], capsys)  # fmt: skip
     finally:
         torch.set_num_threads(threads)
@@ -405,7 +405,7 @@ def test_cached_hub_target_trains_without_network(tmp_path, tiny_models):
     hf_home = tmp_path / "hf-home"
     fake_hub_cache(hf_home, "flashdraft-tests/tiny-target", tiny_models / "target")
     proc = guarded(["train", "--out", str(tmp_path / "run"), "target.path=flashdraft-tests/tiny-target",
-                    "drafter.target_layer_ids=[1,2]", "train.max_steps=1", "data.eval_limit=1",
+                    "drafter.init_from=null", "drafter.target_layer_ids=[1,2]", "train.max_steps=1", "data.eval_limit=1",
                     "data.eval_max_new_tokens=2"], hf_home, tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "NETWORK ATTEMPT" not in proc.stderr and "measured τ" in proc.stdout

@@ -1,6 +1,7 @@
 """The training loop end to end on the embedded default (CPU): outputs, exact resume, clear failures."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -41,24 +42,25 @@ def test_outputs_of_a_run(full_run):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     for r in rows:
         assert {"loss", "sim_tau", "acc", "tok_s", "draft_tok_s", "lr"} <= set(r)
-        assert r["loss"] > 0 and r["sim_tau"] >= 1 and len(r["acc"]) == 7  # block 8: positions 1..7
+        assert r["loss"] > 0 and r["sim_tau"] >= 1 and len(r["acc"]) == 15  # block 16: positions 1..15
     assert (out / "training_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000003", "step_00000006"]
     assert (out / "checkpoints" / "step_00000006" / "drafter" / "model.safetensors").is_file()
     assert result.measured_tau is not None and result.measured_tau >= 1
     assert json.loads((out / "measured_tau.json").read_text())["tau"] == result.measured_tau
     # The embedded default fine-tunes the shipped drafter, trained for the shipped target: its first loss is far
-    # below an untrained drafter's log(vocab) (see the next test for a fresh one).
+    # below even a uniform guess's log(vocab) (the next test: a fresh drafter's is far above it).
     log_vocab = torch.log(torch.tensor(1088.0)).item()
     assert rows[0]["loss"] < log_vocab - 2.5
 
 
-def test_a_fresh_drafter_starts_at_the_loss_of_a_uniform_guess(tmp_path):
+def test_a_fresh_drafter_starts_far_above_the_shipped_one(full_run, tmp_path):
     result = loop.train(_cfg(tmp_path / "fresh", "drafter.init_from=null", "train.max_steps=1", "data.eval_prompts=null"))
     (row,) = [json.loads(line) for line in (tmp_path / "fresh" / "metrics.jsonl").read_text().splitlines()]
-    # Untrained: about log(vocab) plus the spread of the random head's logits, never below it by much.
+    # Untrained hidden states through the trained (tied, large-norm) LM head: confidently wrong, worse than uniform.
     log_vocab = torch.log(torch.tensor(1088.0)).item()
-    assert result.steps == 1 and log_vocab - 0.5 < row["loss"] < log_vocab + 2.5
+    assert result.steps == 1 and math.isfinite(row["loss"]) and row["loss"] > log_vocab
+    assert row["loss"] > _losses(full_run[0])[1] + 4
 
 
 def test_resume_repeats_an_uninterrupted_run_exactly(full_run, tmp_path):
