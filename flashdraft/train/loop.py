@@ -138,6 +138,8 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
     curve = plot_training_curve(out / "metrics.jsonl", out / "training_curve.png")
     final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()][-1]
     measured = measure_tau(cfg, s, out / "measured_tau.json")
+    if measured is not None:  # drawn again with the end-of-run measurement
+        curve = plot_training_curve(out / "metrics.jsonl", out / "training_curve.png", final_tau=measured)
     return TrainResult(out, s.total_steps, final["loss"], final["sim_tau"], measured, last_ckpt, curve)
 
 

@@ -442,8 +442,12 @@ def _open_tracker(name: str, out: Path, config: dict, resume_from_step: int | No
 # ---- plot -------------------------------------------------------------------------------------------------------
 
 
-def plot_training_curve(metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike) -> Path:
-    """Loss (left axis) and simulated tau (right axis) against step, final values in the title; returns the PNG."""
+def plot_training_curve(
+    metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike, final_tau: float | None = None
+) -> Path:
+    """Loss (left axis) and simulated tau (right axis) against step, with the measured tau of the periodic
+    evaluations and `final_tau` (the end-of-run measurement) at the last step; final values in the title; returns
+    the PNG."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -459,6 +463,8 @@ def plot_training_curve(metrics_jsonl: str | os.PathLike, out_png: str | os.Path
     loss_steps, loss = series("loss")
     tau_steps, tau = series("sim_tau")
     real_steps, real = series("tau")
+    if final_tau is not None and math.isfinite(final_tau) and (loss_steps or tau_steps):
+        real_steps, real = real_steps + [max(loss_steps[-1:] + tau_steps[-1:])], real + [final_tau]
     if not loss and not tau:
         raise ValueError(f"{metrics_jsonl}: no logged step has a loss or sim_tau to plot")
     # The Agg canvas directly, not pyplot: no global backend switch, no GUI, safe in threads.
@@ -485,12 +491,15 @@ def plot_training_curve(metrics_jsonl: str | os.PathLike, out_png: str | os.Path
                              label="measured tau (decoding)")  # fmt: skip
     tau_ax.set_ylabel("acceptance length (tau)", color="tab:orange")
     tau_ax.tick_params(axis="y", labelcolor="tab:orange")
-    ax.legend(lines, [line.get_label() for line in lines], loc="center right")
+    # Below the axes: inside, it would cover one of the two curves.
+    fig.legend(lines, [line.get_label() for line in lines], loc="outside lower center", ncols=len(lines))
     final = []
     if loss:
         final.append(f"loss {loss[-1]:.3f}")
     if tau:
         final.append(f"simulated tau {tau[-1]:.2f}")
+    if final_tau is not None and math.isfinite(final_tau):
+        final.append(f"measured tau {final_tau:.2f}")
     last = max(loss_steps[-1:] + tau_steps[-1:])
     ax.set_title(f"Drafter training, step {last}: {', '.join(final)}")
     out_png = Path(out_png)

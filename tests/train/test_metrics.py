@@ -258,3 +258,13 @@ def test_plot_of_an_empty_log_says_so(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="no logged step has a loss or sim_tau"):
         plot_training_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png")
+
+
+def test_plot_draws_the_final_measured_tau_and_ignores_a_nan(tmp_path):
+    with MetricsLogger(tmp_path, total_steps=30, console=console()) as metrics:
+        for step in (10, 20, 30):
+            metrics.log(step, {"loss": 4.0 - step / 20, "sim_tau": 1 + step / 30})
+    plain = plot_training_curve(tmp_path / "metrics.jsonl", tmp_path / "a.png").read_bytes()
+    nan = plot_training_curve(tmp_path / "metrics.jsonl", tmp_path / "b.png", final_tau=float("nan")).read_bytes()
+    final = plot_training_curve(tmp_path / "metrics.jsonl", tmp_path / "c.png", final_tau=2.7).read_bytes()
+    assert nan == plain and final != plain
