@@ -285,7 +285,8 @@ def print_report(report: dict, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    # Written to a file or a pipe, rich would assume 80 columns and cut the numbers to "3.…": 11 columns need ~120.
+    console = console or Console(width=None if sys.stdout.isatty() else 140)
     table = Table(title=f"DFlash, block {report['block_size']}, temperature {report['temperature']}")
     columns = ("set", "n", "tau", "p95", "DFlash tok/s", "AR tok/s", "PL tok/s", "PL tau", "x AR", "ceiling", "x PL")
     for column in columns:

@@ -181,9 +181,13 @@ def test_before_any_run_the_shipped_drafter_is_evaluated(capsys, tmp_path, monke
     monkeypatch.chdir(tmp_path)  # no runs/default here
     args = _args("--limit", "1", "--max-new-tokens", "6", "--json", str(tmp_path / "r.json"), "--no-progress")
     assert args.run(args) == 0
-    assert "evaluating the drafter shipped with the embedded target" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "evaluating the drafter shipped with the embedded target" in captured.err
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["drafter"].endswith("assets/embedded/drafter") and report["greedy_mismatches"] == 0
+    # Not a terminal: the table keeps every number whole (rich's 80-column default would cut them to "3.…").
+    overall = next(line for line in captured.out.splitlines() if "overall" in line)
+    assert f" {report['tau']:.2f} " in overall and "…" not in overall
 
 
 def test_missing_target_or_drafter_exits_2(capsys, tmp_path, monkeypatch):
