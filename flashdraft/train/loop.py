@@ -377,16 +377,20 @@ def captured_layer_ids(cfg: RunConfig) -> list[int] | None:
     (drafter.init_from), else None (the default spread over the target)."""
     if cfg.drafter.target_layer_ids is not None or not cfg.drafter.init_from:
         return cfg.drafter.target_layer_ids
-    source = embedded.drafter_dir() if cfg.drafter.init_from == embedded.EMBEDDED else Path(cfg.drafter.init_from)
-    config = source / "config.json"
-    if not config.is_file():
-        return None  # from_pretrained reports the missing checkpoint with its own message
-    return list(json.loads(config.read_text()).get("dflash_config", {}).get("target_layer_ids") or []) or None
+    try:
+        config = json.loads((_init_from_dir(cfg) / "config.json").read_text())
+        return list(config["dflash_config"]["target_layer_ids"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # from_pretrained reports a missing or broken checkpoint with its own message
+
+
+def _init_from_dir(cfg: RunConfig) -> Path:
+    return embedded.drafter_dir() if cfg.drafter.init_from == embedded.EMBEDDED else Path(cfg.drafter.init_from)
 
 
 def _drafter(cfg: RunConfig, target, tokenizer) -> DFlashDraftModel:
     if cfg.drafter.init_from:
-        source = embedded.drafter_dir() if cfg.drafter.init_from == embedded.EMBEDDED else cfg.drafter.init_from
+        source = _init_from_dir(cfg)
         drafter = DFlashDraftModel.from_pretrained(source)
         for name, want, got in (("block_size", cfg.drafter.block_size, drafter.block_size),
                                 ("num_layers", cfg.drafter.num_layers, len(drafter.layers))):  # fmt: skip
