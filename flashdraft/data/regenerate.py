@@ -16,6 +16,7 @@ flashdraft.data.sources, so globs and s3:// work here too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -107,8 +108,6 @@ def _generate(model, tokenizer, texts: list[str], temperature: float, max_new_to
 def _sdpa_without_cudnn(device: torch.device):
     """SDPA minus the cuDNN backend on a GPU: cuDNN plans every new key length (each decode step's is new) and that
     host-side planning cost ~4.7 ms per call on an H200 (issue 10's measurement), more than the tiny target's step."""
-    import contextlib
-
     if torch.device(device).type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import signal
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a DFlash drafter (no arguments: the embedded default on this machine)")
@@ -57,7 +59,7 @@ def run(args) -> int:
         console.print(f"\n[bold yellow]stopped[/] by {result.stopped_by} after step {result.steps}; checkpoint: "
                       f"{result.checkpoint}\ncontinue with: flashdraft train ... --resume", soft_wrap=True)  # fmt: skip
         # Not 0: a scheduler must not take a stopped run for a finished one (128 + signal, as the shell reports).
-        return 128 + {"SIGINT": 2, "SIGTERM": 15}.get(result.stopped_by, 15)
+        return 128 + signal.Signals.__members__.get(result.stopped_by, signal.SIGTERM)
     console.print(f"\n[bold green]done[/]: {result.steps} steps, loss {result.loss:.3f}, simulated τ {result.sim_tau:.2f}"
                   + (f", measured τ {result.measured_tau:.2f} (greedy, held-out prompts)" if result.measured_tau else ""),
                   soft_wrap=True)  # fmt: skip

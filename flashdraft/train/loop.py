@@ -107,39 +107,35 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
             timer.add(tokens)
             metrics.advance()
             done = step + 1
-            if done % cfg.log.every == 0 or done == s.total_steps:
+            # A stop logs the steps since the last log line too, so none is lost from the metrics.
+            halt = stop.requested(s.device)
+            if done % cfg.log.every == 0 or done == s.total_steps or halt:
                 row = summarize(window, timer.take(), s, scheduler.get_last_lr()[0]) | {"skipped": skipped}
-                if cfg.log.eval_every and done % cfg.log.eval_every == 0 and done < s.total_steps:
+                if cfg.log.eval_every and done % cfg.log.eval_every == 0 and done < s.total_steps and not halt:
                     row["tau"] = _periodic_tau(cfg, s)
                     timer.take()  # decoding time is not training throughput
                 metrics.log(done, row)
                 window = None
-            halt = stop.requested(s.device)
             if done % cfg.log.checkpoint_every == 0 or done == s.total_steps or halt:
                 last_ckpt = checkpoints.save(done, s.drafter, optimizer, scheduler, {"step": done})
             if halt:
                 stopped_by = stop.signal_name or "another rank's signal"
-                if window is not None:  # the steps since the last log line are not lost from the metrics
-                    row = summarize(window, timer.take(), s, scheduler.get_last_lr()[0]) | {"skipped": skipped}
-                    metrics.log(done, row)
                 logger.warning("%s: stopped after step %d of %d; checkpoint %s (continue with --resume)",
                                stopped_by, done, s.total_steps, last_ckpt)  # fmt: skip
                 break
     metrics.close()
     if stopped_by is not None:
         # No final τ measurement: a stopped job should leave within its grace period.
-        main = distributed.world().is_main  # every stop logged a metrics row (above, or at a log step)
+        main = distributed.world().is_main  # the stop logged a metrics row (above)
         curve = plot_training_curve(out / "metrics.jsonl", out / "training_curve.png") if main else None
         return TrainResult(out, done, float("nan"), float("nan"), None, last_ckpt, curve, stopped_by)
     # Decoding (the measured τ) and the report are rank 0's, on a plain copy of the (sharded) drafter.
     s.drafter = distributed.gather_drafter(s.drafter)
     if s.drafter is None:
         return TrainResult(out, s.total_steps, float("nan"), float("nan"), None, last_ckpt, None)
-    curve = plot_training_curve(out / "metrics.jsonl", out / "training_curve.png")
     final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()][-1]
     measured = measure_tau(cfg, s, out / "measured_tau.json")
-    if measured is not None:  # drawn again with the end-of-run measurement
-        curve = plot_training_curve(out / "metrics.jsonl", out / "training_curve.png", final_tau=measured)
+    curve = plot_training_curve(out / "metrics.jsonl", out / "training_curve.png", final_tau=measured)
     return TrainResult(out, s.total_steps, final["loss"], final["sim_tau"], measured, last_ckpt, curve)
 
 
