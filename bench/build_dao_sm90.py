@@ -1,4 +1,4 @@
-"""Restrict causal-conv1d 1.7.0's setup.py to sm_90 (the anchor build; ~5 min on 16 cores instead of ~10 archs).
+"""Restrict causal-conv1d's setup.py (1.6.1–1.7.0) to sm_90 (the anchor build; ~5 min on 16 cores instead of ~10 archs).
 
 Same edit as ../shared/anchors/build_cc_sm90.py: replace the list of -gencode flags by sm_90 alone.
 """

@@ -6,8 +6,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
-if [ -z "${SKIP_DAO:-}" ] && [ -f .whl/causal_conv1d-1.7.0.tar.gz ]; then
-  ( set -e; mkdir -p /tmp/cc && tar xzf .whl/causal_conv1d-1.7.0.tar.gz -C /tmp/cc && cd /tmp/cc/causal_conv1d-1.7.0 \
+# Any carried causal-conv1d source tarball: the PyPI sdist, or `git archive --prefix=causal_conv1d-<rev>/` of the repo.
+CC_SDIST=$(ls .whl/causal_conv1d-*.tar.gz 2>/dev/null | head -1)
+if [ -z "${SKIP_DAO:-}" ] && [ -n "$CC_SDIST" ]; then
+  CC_DIR=$(basename "$CC_SDIST" .tar.gz)
+  ( set -e; mkdir -p /tmp/cc && tar xzf "$CC_SDIST" -C /tmp/cc && cd "/tmp/cc/$CC_DIR" \
     && python3 "$OLDPWD/bench/build_dao_sm90.py" setup.py \
     && CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=12 python3 -m pip install -q --no-build-isolation --no-deps \
        --target /tmp/site2 . ) > "$OUT/dao_build.log" 2>&1 &

@@ -119,13 +119,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/spec_gpu")
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--skip-rollback", action="store_true", help="only the eval part (rollback recorded 2026-12-02)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"rollback": rollback_cost()}
+    result = {} if a.skip_rollback else {"rollback": rollback_cost()}
     print(result, flush=True)
     result["eval"] = eval_run(out, a.max_new_tokens)
     (out / "spec_gpu.json").write_text(json.dumps(result, indent=1, default=str))
+    if a.skip_rollback:
+        return
     r = result["rollback"]
     print(f"rollback (27B-shaped, {r['layers']} layers, ctx {r['context']}): snapshot {r['snapshot_ms']:.3f} ms, "
           f"restore {r['restore_ms']:.3f} ms; verify16 {r['verify16_plus_restore_ms']:.2f} ms, "
