@@ -147,6 +147,128 @@ def engine_numbers(target, drafter, ids: torch.Tensor, graphs: bool, iters: int)
     return out
 
 
+# Kernel families, by substrings of their names (first match wins), for the decode-vs-verify comparison.
+KERNEL_FAMILIES = (
+    ("GEMM", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "splitk", "sm90_", "cublas")),
+    ("delta rule (fla)", ("gated_delta", "fused_recurrent", "chunk_")),
+    ("conv (flashdraft)", ("causal_conv",)),
+    ("norms", ("rms", "layer_norm", "norm_fwd", "layernorm")),
+    ("softmax", ("softmax",)),
+    ("copies / index", ("copy", "index", "cat", "gather", "scatter")),
+)
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    return next((family for family, keys in KERNEL_FAMILIES if any(k in low for k in keys)), "other elementwise")
+
+
+@torch.inference_mode()
+def kernel_profile(engine, runner) -> dict:
+    """GPU time by kernel of one eager decode step, verify 16, draft and commit (a graph replays the same
+    kernels; eager keeps the profiler's view per kernel). Caches are put back after each step. On a CPU (the
+    smoke run) it profiles torch ops instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    saved = engine.length.clone(), runner.context.clone(), runner.pending.clone(), engine.num_tokens
+    steps = {"decode": engine.steps["decode"].fn, "verify16": engine.steps["verify"].fn,
+             "draft": runner.step.fn, "commit": engine.steps["commit"].fn}  # fmt: skip
+    engine.keep.fill_(1)
+    out = {}
+    for name, fn in steps.items():
+        fn()  # warm (allocator, autotune caches)
+        sync()
+        with profile(activities=[activity]) as prof:
+            fn()
+            sync()
+        kernels: dict[str, list] = {}
+        for evt in prof.events():
+            if evt.device_type != kind:
+                continue
+            row = kernels.setdefault(evt.name, [0, 0.0])
+            row[0] += 1
+            row[1] += (evt.device_time if cuda else evt.self_cpu_time_total) / 1e3  # us -> ms
+        families: dict[str, list] = {}
+        for kname, (count, ms) in kernels.items():
+            fam = families.setdefault(kernel_family(kname), [0, 0.0])
+            fam[0] += count
+            fam[1] += ms
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:15]
+        out[name] = {
+            "gpu_ms": sum(ms for _, ms in kernels.values()),
+            "kernels": sum(c for c, _ in kernels.values()),
+            "families": {
+                f: {"count": c, "ms": ms} for f, (c, ms) in sorted(families.items(), key=lambda kv: -kv[1][1])
+            },
+            "top": [{"name": k[:120], "count": c, "ms": ms} for k, (c, ms) in top],
+        }
+        engine.length.copy_(saved[0])
+        runner.context.copy_(saved[1])
+        runner.pending.copy_(saved[2])
+        engine.num_tokens = saved[3]
+    return out
+
+
+def print_profile(profile: dict) -> None:
+    steps = list(profile)
+    print("\n#### GPU time by kernel family, eager steps (ms; kernel count in brackets)")
+    print("| family | " + " | ".join(steps) + " |")
+    print("|---|" + "---|" * len(steps))
+    families = sorted({f for p in profile.values() for f in p["families"]},
+                      key=lambda f: -profile["verify16"]["families"].get(f, {"ms": 0})["ms"])  # fmt: skip
+    for fam in families:
+        cells = []
+        for st in steps:
+            got = profile[st]["families"].get(fam)
+            cells.append(f"{got['ms']:.3f} ({got['count']})" if got else "-")
+        print(f"| {fam} | " + " | ".join(cells) + " |")
+    print("| **sum of kernel times** | " + " | ".join(f"{profile[s]['gpu_ms']:.3f} ({profile[s]['kernels']})"
+                                                     for s in steps) + " |")  # fmt: skip
+    for st in ("decode", "verify16"):
+        print(f"top kernels, {st}: " + "; ".join(f"{t['name'][:60]} x{t['count']} {t['ms']:.3f}"
+                                                  for t in profile[st]["top"][:8]))  # fmt: skip
+
+
+@torch.inference_mode()
+def near_tie(engine, ids: torch.Tensor, greedy: list[int], spec: list[int], j: int) -> dict:
+    """Where DFlash and greedy decoding first disagree (token j >= 1): the target's logits for that token as the
+    decode step computed them (what greedy decoding saw) and as a 16-token verification computed them (what
+    DFlash saw), on the same prefix. A near-tie is a top-2 margin smaller than the difference between the two."""
+    start = max(0, j - (BLOCK - 1))  # the block greedy[start : start + 16] predicts greedy[start + 1 ..]
+    engine.prefill(ids[0])
+
+    def decode(token):
+        engine.decode_ids.fill_(token)
+        engine.decode()
+
+    for token in greedy[:start]:
+        decode(token)
+    engine.verify_ids.copy_(torch.tensor(greedy[start : start + BLOCK], device=ids.device))
+    engine.verify()  # the caches do not advance (no commit)
+    verified = engine.verify_logits[j - 1 - start].float().clone()
+    for token in greedy[start:j]:
+        decode(token)
+    decoded = engine.decode_logits[0].float().clone()
+
+    def top2(x):
+        values, index = x.topk(2)
+        return [int(i) for i in index], float(values[0] - values[1])
+
+    (d_top, d_margin), (v_top, v_margin) = top2(decoded), top2(verified)
+    diff = float((decoded - verified).abs().max())
+    return {
+        "position": j, "greedy_token": greedy[j], "dflash_token": spec[j],
+        "decode_top2": d_top, "decode_margin": d_margin, "verify_top2": v_top, "verify_margin": v_margin,
+        "max_abs_logit_diff": diff, "logit_scale": float(decoded.abs().max()),
+        "near_tie": set(d_top) == set(v_top) and min(d_margin, v_margin) <= diff,
+    }  # fmt: skip
+
+
 @torch.inference_mode()
 def checks(target, drafter, ids: torch.Tensor, graphs: bool) -> dict:
     """Engine vs transformers logits on the same weights; DFlash vs the engine's own greedy decoding."""
@@ -171,7 +293,11 @@ def checks(target, drafter, ids: torch.Tensor, graphs: bool) -> dict:
     spec = generate(target, drafter, ids, n, engine=True)
     auto = autoregressive_generate(target, ids, n, engine=True)
     first_diff = next((i for i, (a, b) in enumerate(zip(spec.tokens, auto.tokens, strict=True)) if a != b), None)
+    if first_diff is None and os.environ.get("SPEC_ENGINE_TEST_NEAR_TIE"):  # exercise the diagnosis on a CPU
+        first_diff = int(os.environ["SPEC_ENGINE_TEST_NEAR_TIE"])
+    tie = None if not first_diff else near_tie(sess.engine, ids, auto.tokens, spec.tokens, first_diff)
     return {
+        "first_difference": tie,
         "prefill_logits_rel_err": rel(mine, ref),
         "decode_logits_rel_err": rel(mine2, ref2),
         "same_argmax": bool(mine.argmax() == ref.argmax() and mine2.argmax() == ref2.argmax()),
@@ -187,9 +313,15 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny hybrid target on the CPU, graphs off")
     ap.add_argument("--layers", type=int, default=64, help="target layers (a multiple of 4; 64 = the 27B)")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per measurement")
-    ap.add_argument("--context", type=int, action="append", default=None,
-                    help=f"context length to measure (repeatable; default {' and '.join(map(str, CONTEXTS))})")
+    ap.add_argument(
+        "--context",
+        type=int,
+        action="append",
+        default=None,
+        help=f"context length to measure (repeatable; default {' and '.join(map(str, CONTEXTS))})",
+    )
     ap.add_argument("--json", default=None, help="default: $OUT/spec_engine.json")
+    ap.add_argument("--profile", action="store_true", help="GPU time by kernel of each step (first context)")
     a = ap.parse_args()
     if a.layers % 4:
         raise SystemExit(f"--layers must be a multiple of 4 (3 linear + 1 full attention), got {a.layers}")
@@ -229,6 +361,11 @@ def main() -> None:
             print(ctx, row["dflash_reference"], flush=True)
         row["engine"] = engine_numbers(target, drafter, ids, graphs, iters)
         print(ctx, row["engine"], flush=True)
+        if a.profile and "profile" not in report:
+            from flashdraft.spec.engine import loop
+
+            sess = loop.current_session(target)
+            report["profile"] = {"context": ctx, **kernel_profile(sess.engine, sess.runner(drafter))}
         report["contexts"][ctx] = row
     report["checks"] = checks(target, drafter, torch.randint(0, vocab, (1, contexts[0]), generator=g).to(device),
                               graphs)  # fmt: skip
@@ -236,6 +373,8 @@ def main() -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=1))
     print_table(report, a.smoke)
+    if "profile" in report:
+        print_profile({k: v for k, v in report["profile"].items() if k != "context"})
 
 
 def print_table(report: dict, smoke: bool) -> None:
@@ -277,6 +416,12 @@ def print_table(report: dict, smoke: bool) -> None:
           f"{c['decode_logits_rel_err']:.2e}, same argmax {c['same_argmax']}; DFlash ({c['backend']}) == engine "
           f"greedy over {c['greedy_tokens']} tokens: {c['dflash_equals_engine_greedy']} "
           f"(first difference {c['first_difference_at']}); {report['seconds']:.0f} s in all")  # fmt: skip
+    if c.get("first_difference"):
+        t = c["first_difference"]
+        print(f"first difference at token {t['position']}: greedy {t['greedy_token']}, DFlash {t['dflash_token']}; "
+              f"decode top-2 {t['decode_top2']} (margin {t['decode_margin']:.4f}), verify top-2 {t['verify_top2']} "
+              f"(margin {t['verify_margin']:.4f}); max |decode - verify| logit {t['max_abs_logit_diff']:.4f} of "
+              f"{t['logit_scale']:.2f} -> near-tie: {t['near_tie']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ def build_tokenizer(out: Path, vocab_size: int = 4000):
     return fast, prompts
 
 
-def eval_run(out: Path, max_new_tokens: int) -> dict:
+def eval_run(out: Path, max_new_tokens: int, engines=("off",)) -> dict:
+    """`flashdraft eval` with each engine setting; {engine: report} (eval.json for "off", eval_<engine>.json else)."""
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
     from flashdraft.drafter import DFlashDraftModel
@@ -68,12 +69,19 @@ def eval_run(out: Path, max_new_tokens: int) -> dict:
     with open(out / "prompts.jsonl", "w") as fh:
         for p in prompts:
             fh.write(json.dumps(p) + "\n")
-    cmd = [sys.executable, "-m", "flashdraft", "eval", "--target", str(tdir), "--drafter", str(ddir),
-           "--prompts", str(out / "prompts.jsonl"), "--limit", "4", "--max-new-tokens", str(max_new_tokens), "--ignore-eos",
-           "--json", str(out / "eval.json"), "--plot", str(out / "eval.png"), "--no-progress"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    print(proc.stdout[-6000:], proc.stderr[-3000:], sep="\n")
-    return json.loads((out / "eval.json").read_text()) if proc.returncode == 0 else {"error": proc.returncode}
+    reports = {}
+    for engine in engines:
+        name = "eval" if engine == "off" else f"eval_{engine}"
+        cmd = [sys.executable, "-m", "flashdraft", "eval", "--target", str(tdir), "--drafter", str(ddir),
+               "--prompts", str(out / "prompts.jsonl"), "--limit", "4", "--max-new-tokens", str(max_new_tokens),
+               "--ignore-eos", "--engine", engine, "--json", str(out / f"{name}.json"), "--plot",
+               str(out / f"{name}.png"), "--no-progress"]  # fmt: skip
+        print("$ " + " ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        print(proc.stdout[-6000:], proc.stderr[-3000:], sep="\n", flush=True)
+        ok = proc.returncode == 0
+        reports[engine] = json.loads((out / f"{name}.json").read_text()) if ok else {"error": proc.returncode}
+    return reports
 
 
 def rollback_cost(context: int = 1024, layers: int = 16) -> dict:
@@ -120,12 +128,19 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/spec_gpu")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--skip-rollback", action="store_true", help="only the eval part (rollback recorded 2026-12-02)")
+    ap.add_argument(
+        "--engine",
+        action="append",
+        choices=["off", "on"],
+        default=None,
+        help="eval with transformers (off) and/or flashdraft's engine (on); repeatable (default: off)",
+    )
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {} if a.skip_rollback else {"rollback": rollback_cost()}
     print(result, flush=True)
-    result["eval"] = eval_run(out, a.max_new_tokens)
+    result["eval"] = eval_run(out, a.max_new_tokens, tuple(a.engine or ["off"]))
     (out / "spec_gpu.json").write_text(json.dumps(result, indent=1, default=str))
     if a.skip_rollback:
         return

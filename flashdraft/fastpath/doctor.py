@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -27,6 +28,7 @@ class Check:
     status: str
     detail: str
     fix: str = ""
+    seconds: float = 0.0  # how long the check took (the first GPU run compiles Triton kernels: tens of seconds)
 
 
 # Known causal-conv1d build failures (pip log text) -> (meaning, fix). Matched by `diagnose_build_log`.
@@ -174,7 +176,7 @@ def check_causal_conv1d() -> Check:
     if nvcc is None or not os.path.exists(nvcc):
         problems.append("no nvcc -> its setup.py fails with `NameError: name 'bare_metal_version' is not defined`")
     elif torch.version.cuda:
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=20).stdout
         m = re.search(r"release (\d+\.\d+)", out)
         if m and m.group(1).split(".")[0] != torch.version.cuda.split(".")[0]:
             problems.append(
@@ -237,16 +239,35 @@ def build_probe_model(spec: str | None, probe_layers: int = 4):
     return model.eval()
 
 
-def run_doctor(model_spec: str | None = None, probe_layers: int = 4) -> dict:
+def run_doctor(model_spec: str | None = None, probe_layers: int = 4, progress=None) -> dict:
+    """All checks, then the per-layer probe. progress(line): told before and after each step (slow ones compile
+    Triton kernels on a first GPU run), so that a long first run is never silent."""
     from flashdraft import fastpath
 
-    checks = [*check_gpu(), check_torch(), check_driver(), check_triton(), check_fla(), check_causal_conv1d(),
-              check_transformers()]  # fmt: skip
-    layers: list[dict] = []
-    report = None
+    progress = progress or (lambda line: None)
     if model_spec is not None and model_spec not in _tiny_families() and not os.path.exists(model_spec):
         raise FileNotFoundError(f"--model {model_spec!r}: not a tiny family ({', '.join(_tiny_families())}), "
                                 "config.json or model directory")  # fmt: skip
+    steps = [
+        ("gpu", check_gpu), ("torch", check_torch), ("driver", check_driver),
+        ("triton (compiles flashdraft's conv on a GPU)", check_triton),
+        ("fla-core (runs its delta rule on a GPU)", check_fla), ("causal-conv1d", check_causal_conv1d),
+        ("transformers", check_transformers),
+    ]  # fmt: skip
+    checks: list[Check] = []
+    for label, fn in steps:
+        progress(f"{label} ...")
+        start = time.perf_counter()
+        found = fn()
+        seconds = time.perf_counter() - start
+        for c in found if isinstance(found, list) else [found]:
+            c.seconds = round(seconds, 2)
+            checks.append(c)
+        progress(f"{label}: {seconds:.1f} s")
+    layers: list[dict] = []
+    report = None
+    progress("probe: building the model and running a prefill and a decode step per layer ...")
+    start = time.perf_counter()
     try:
         model = build_probe_model(model_spec, probe_layers)
         report = fastpath.enable(model, strict=False)
@@ -257,6 +278,8 @@ def run_doctor(model_spec: str | None = None, probe_layers: int = 4) -> dict:
     except Exception as exc:
         checks.append(Check("probe", FAIL, f"could not build or probe the model: {type(exc).__name__}: {exc}",
                             "pass --model with a config.json or model directory of a supported family"))  # fmt: skip
+    checks[-1].seconds = round(time.perf_counter() - start, 2)
+    progress(f"probe: {checks[-1].seconds:.1f} s")
     ok = all(c.status != FAIL for c in checks)
     return {"ok": ok, "checks": [asdict(c) for c in checks], "layers": layers, "_report": report}
 
@@ -276,8 +299,13 @@ def _probe_fix(report) -> str:
     return "see the per-layer table; `flashdraft.fastpath.enable(model)` patches every layer"
 
 
+def _progress_to_stderr(line: str) -> None:
+    # stderr, so that `--json` keeps stdout one JSON object
+    print(f"[doctor] {line}", file=sys.stderr, flush=True)
+
+
 def main(argv_json: bool, model_spec: str | None, probe_layers: int = 4, build_log: str | None = None) -> int:
-    result = run_doctor(model_spec, probe_layers)
+    result = run_doctor(model_spec, probe_layers, progress=_progress_to_stderr)
     report = result.pop("_report")
     if build_log:
         with open(build_log, errors="replace") as fh:
@@ -291,11 +319,11 @@ def main(argv_json: bool, model_spec: str | None, probe_layers: int = 4, build_l
 
     console = Console()
     table = Table(title="flashdraft doctor")
-    for col in ("check", "status", "detail", "fix"):
+    for col in ("check", "status", "detail", "fix", "s"):
         table.add_column(col, overflow="fold")
     colour = {OK: "green", WARN: "yellow", FAIL: "red", INFO: "cyan"}
     for c in result["checks"]:
-        table.add_row(c["name"], f"[{colour[c['status']]}]{c['status']}[/]", c["detail"], c["fix"])
+        table.add_row(c["name"], f"[{colour[c['status']]}]{c['status']}[/]", c["detail"], c["fix"], f"{c['seconds']:.1f}")
     console.print(table)
     if report is not None and report.layers:
         console.print(report.table())

@@ -19,7 +19,12 @@ def test_doctor_json_on_this_machine():
     assert set(result) >= {"ok", "checks", "layers"}
     assert {c["name"] for c in result["checks"]} == NAMES
     for c in result["checks"]:
-        assert set(c) == {"name", "status", "detail", "fix"} and c["status"] in {"ok", "warn", "fail", "info"}
+        assert set(c) == {"name", "status", "detail", "fix", "seconds"} and c["status"] in {"ok", "warn", "fail", "info"}
+        assert c["seconds"] >= 0
+    # A slow first run (Triton compiles) is never silent: every step is announced on stderr, stdout stays JSON.
+    progress = [line for line in out.stderr.splitlines() if line.startswith("[doctor] ")]
+    assert any(line.startswith("[doctor] probe: ") and line.endswith(" s") for line in progress), out.stderr
+    assert len(progress) == 2 * len(NAMES), progress  # each check and the probe: started and finished
     assert len(result["layers"]) == 3  # tiny qwen3_5: 3 linear-attention layers of 4
     assert out.returncode == (0 if result["ok"] else 1)
     if not CUDA:
