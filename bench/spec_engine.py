@@ -34,6 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONTEXTS = (1024, 8192)
 SMOKE_CONTEXTS = (24, 80)
 BLOCK = 16
+ROUNDS = 8  # rounds per timed call of the round measurement
+# Variants for A/B runs (--variants): what each turns off.
+VARIANTS = {
+    "no commit overlap": {"overlap_commit": False},
+    "no attention chunks": {"attention_chunk": 0},
+}
 
 
 def timed_ms(fn, iters: int, warmup: int = 2) -> float:
@@ -121,7 +127,8 @@ def dflash_anchor(reference, target, ids: torch.Tensor, rounds: int) -> dict:
 def engine_numbers(target, drafter, ids: torch.Tensor, graphs: bool, iters: int) -> dict:
     from flashdraft.spec.engine import loop
 
-    sess = loop.session(target, ids.shape[1] + 4 * iters * BLOCK, BLOCK, list(drafter.target_layer_ids), graphs)
+    sess = loop.session(target, ids.shape[1] + (ROUNDS + 4) * (iters + 2) + 4 * BLOCK, BLOCK,
+                        list(drafter.target_layer_ids), graphs)  # fmt: skip
     engine, runner = sess.engine, sess.runner(drafter)
     logits = engine.prefill(ids[0])
     runner.prefill(engine.prompt_features)
@@ -138,7 +145,14 @@ def engine_numbers(target, drafter, ids: torch.Tensor, graphs: bool, iters: int)
         engine.decode()
         runner.block_ids[:1].copy_(engine.decode_logits[0].argmax().view(1))
 
-    out["round_ms"] = timed_ms(round_, iters)
+    def rounds():
+        # Back to back, as generation runs them: a commit (side stream on a GPU) overlaps the next draft. The
+        # last commit is joined inside the timed interval, so it is counted too (1/ROUNDS of a commit extra).
+        for _ in range(ROUNDS):
+            round_()
+        engine.join()
+
+    out["round_ms"] = timed_ms(rounds, iters) / ROUNDS
     out["draft_ms"] = timed_ms(runner.draft, iters)
     out["verify16_ms"] = timed_ms(engine.verify, iters)
     engine.keep.fill_(1)
@@ -214,9 +228,9 @@ def kernel_profile(engine, runner) -> dict:
     return out
 
 
-def print_profile(profile: dict) -> None:
+def print_profile(ctx: int, profile: dict) -> None:
     steps = list(profile)
-    print("\n#### GPU time by kernel family, eager steps (ms; kernel count in brackets)")
+    print(f"\n#### ctx {ctx}: GPU time by kernel family, eager steps (ms; kernel count in brackets)")
     print("| family | " + " | ".join(steps) + " |")
     print("|---|" + "---|" * len(steps))
     families = sorted({f for p in profile.values() for f in p["families"]},
@@ -267,6 +281,22 @@ def near_tie(engine, ids: torch.Tensor, greedy: list[int], spec: list[int], j: i
         "max_abs_logit_diff": diff, "logit_scale": float(decoded.abs().max()),
         "near_tie": set(d_top) == set(v_top) and min(d_margin, v_margin) <= diff,
     }  # fmt: skip
+
+
+def variant_numbers(target, drafter, ids, graphs, iters, overlap_commit=True, attention_chunk=None) -> dict:
+    """engine_numbers with some of the engine's levers off (a fresh engine; the switches are put back)."""
+    from flashdraft.spec.engine import loop, ops
+    from flashdraft.spec.engine.target import TargetEngine
+
+    saved = TargetEngine.overlap_commit, ops.ATTENTION_CHUNK
+    TargetEngine.overlap_commit = overlap_commit
+    ops.ATTENTION_CHUNK = ops.ATTENTION_CHUNK if attention_chunk is None else attention_chunk
+    try:
+        loop.drop_session(target)
+        return engine_numbers(target, drafter, ids, graphs, iters)
+    finally:
+        TargetEngine.overlap_commit, ops.ATTENTION_CHUNK = saved
+        loop.drop_session(target)
 
 
 @torch.inference_mode()
@@ -321,7 +351,8 @@ def main() -> None:
         help=f"context length to measure (repeatable; default {' and '.join(map(str, CONTEXTS))})",
     )
     ap.add_argument("--json", default=None, help="default: $OUT/spec_engine.json")
-    ap.add_argument("--profile", action="store_true", help="GPU time by kernel of each step (first context)")
+    ap.add_argument("--profile", action="store_true", help="GPU time by kernel of each step, per context")
+    ap.add_argument("--variants", action="store_true", help=f"also the engine without: {', '.join(VARIANTS)}")
     a = ap.parse_args()
     if a.layers % 4:
         raise SystemExit(f"--layers must be a multiple of 4 (3 linear + 1 full attention), got {a.layers}")
@@ -361,11 +392,15 @@ def main() -> None:
             print(ctx, row["dflash_reference"], flush=True)
         row["engine"] = engine_numbers(target, drafter, ids, graphs, iters)
         print(ctx, row["engine"], flush=True)
-        if a.profile and "profile" not in report:
+        if a.profile:
             from flashdraft.spec.engine import loop
 
             sess = loop.current_session(target)
-            report["profile"] = {"context": ctx, **kernel_profile(sess.engine, sess.runner(drafter))}
+            row["profile"] = kernel_profile(sess.engine, sess.runner(drafter))
+        if a.variants:
+            row["variants"] = {name: variant_numbers(target, drafter, ids, graphs, iters, **switches)
+                               for name, switches in VARIANTS.items()}  # fmt: skip
+            print(ctx, row["variants"], flush=True)
         report["contexts"][ctx] = row
     report["checks"] = checks(target, drafter, torch.randint(0, vocab, (1, contexts[0]), generator=g).to(device),
                               graphs)  # fmt: skip
@@ -373,8 +408,9 @@ def main() -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=1))
     print_table(report, a.smoke)
-    if "profile" in report:
-        print_profile({k: v for k, v in report["profile"].items() if k != "context"})
+    for ctx, row in report["contexts"].items():
+        if "profile" in row:
+            print_profile(ctx, row["profile"])
 
 
 def print_table(report: dict, smoke: bool) -> None:
@@ -404,6 +440,12 @@ def print_table(report: dict, smoke: bool) -> None:
     row("engine commit (exact rollback)", lambda r: r["engine"]["commit_ms"])
     row("**engine round** (draft + verify + accept + commit + read)", lambda r: r["engine"]["round_ms"])
     row("round / engine decode step (P7b: <= 1.3)", lambda r: r["engine"]["round_ms"] / r["engine"]["decode_ms"])
+    for name in VARIANTS:
+        row(f"round / decode, {name}",
+            lambda r, n=name: r["variants"][n]["round_ms"] / r["variants"][n]["decode_ms"])  # fmt: skip
+        row(f"verify 16 / round, {name} (ms)",
+            lambda r, n=name: f"{r['variants'][n]['verify16_ms']:.2f} / {r['variants'][n]['round_ms']:.2f}",
+            "{}")  # fmt: skip
     row("engine decode speedup vs transformers", lambda r: r["hf"]["decode_ms"] / r["engine"]["decode_ms"], "{:.1f}x")
     row("engine round speedup vs dflash_generate",
         lambda r: r["dflash_reference"]["round_ms"] / r["engine"]["round_ms"], "{:.1f}x")  # fmt: skip

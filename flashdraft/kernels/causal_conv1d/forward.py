@@ -344,6 +344,10 @@ def _row_configs(vec: int) -> list[triton.Config]:
         # More bytes in flight per thread than the config that won on the H200 (bench/NOTES.md, 2026-12-02).
         c({"BLOCK_D": vec * 32, "SUB_L": 16, "N_SUB": 8}, num_warps=2, num_stages=1),
         c({"BLOCK_D": vec * 32, "SUB_L": 16, "N_SUB": 4}, num_warps=1, num_stages=1),
+        # Short runs (an engine verifying 16 tokens): more programs, each walking fewer rows. At L=16 the configs
+        # above give one program per 256+ channels that walks all 16 rows (9 us at D=10240 on the H200).
+        c({"BLOCK_D": vec * 32, "SUB_L": 4, "N_SUB": 1}, num_warps=1, num_stages=1),
+        c({"BLOCK_D": vec * 32, "SUB_L": 8, "N_SUB": 1}, num_warps=1, num_stages=1),
     ]
 
 

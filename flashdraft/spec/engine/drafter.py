@@ -39,7 +39,7 @@ class DrafterRunner:
             raise ValueError(f"drafter on {self.device}, target on {engine.device}")
         bs = engine.block_size
         self.block_size = bs
-        self.slots = engine.slots + bs
+        self.slots = ops.attention_slots(engine.slots + bs)
         self.layers = list(drafter.layers)
         self.norms = {id(m): ops.Norm(m) for m in drafter.modules() if "RMSNorm" in type(m).__name__}
         self.kv = []

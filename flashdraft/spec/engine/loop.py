@@ -55,6 +55,8 @@ class Session:
     def close(self) -> None:
         """Release the CUDA graphs now (steps and engines reference each other: left to the cyclic garbage
         collector, they would be freed at an unknown moment)."""
+        if self.engine.commit_stream is not None:
+            self.engine.commit_stream.synchronize()  # no graph is freed while a commit may still run
         for step in [*self.engine.steps.values(), *(r.step for r in self.runners.values())]:
             step.reset()
         self.runners.clear()

@@ -73,6 +73,19 @@ def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+# Caches of at least this many slots are attended in chunks of ATTENTION_CHUNK slots (see `cached_attention`);
+# engines round such slot counts up to a multiple of the chunk. 0 turns chunking off (benchmarks' A/B runs).
+ATTENTION_CHUNK = 512
+CHUNKED_FROM = 2048
+
+
+def attention_slots(slots: int) -> int:
+    """The slot count an engine allocates for `slots` wanted: a multiple of the chunk when it will be chunked."""
+    if ATTENTION_CHUNK and slots >= CHUNKED_FROM:
+        return -(-slots // ATTENTION_CHUNK) * ATTENTION_CHUNK
+    return slots
+
+
 def cached_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -81,16 +94,29 @@ def cached_attention(
     Plain batched matmuls and a masked softmax: cuBLAS needs no per-call planning, reads each cache slot once
     for all the query heads of its group (the group is folded into the query rows, no K/V repeat), and runs
     inside a CUDA graph whatever the number of valid slots. Invalid slots cost bandwidth but never weight.
+
+    probs @ values reduces over all S slots into a small (rows x d) output: one GEMM has few output tiles to
+    spread over the GPU, each reducing over all slots (bench/NOTES.md: the verify profile). Long caches are therefore split into chunks of
+    ATTENTION_CHUNK slots, each a GEMM of the batch, and the partial outputs summed (in float32 for half
+    precision; split-K by hand, as flash-decoding splits the keys).
     """
     heads, length, dim = query.shape
     kv_heads, slots = keys.shape[:2]
     groups = heads // kv_heads
+    rows = groups * length
     # Query head h uses key head h // groups (transformers' repeat_kv order).
-    q = query.reshape(kv_heads, groups * length, dim)
+    q = query.reshape(kv_heads, rows, dim)
     scores = torch.bmm(q, keys.transpose(1, 2)) * scale
     scores = scores.view(kv_heads, groups, length, slots).masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype(query.dtype)).to(query.dtype)
-    out = torch.bmm(probs.view(kv_heads, groups * length, slots), values)
+    chunk = ATTENTION_CHUNK
+    if chunk and slots >= CHUNKED_FROM and slots % chunk == 0:
+        count = slots // chunk
+        parts = probs.view(kv_heads, rows, count, chunk).transpose(1, 2).reshape(kv_heads * count, rows, chunk)
+        partial = torch.bmm(parts, values.view(kv_heads * count, chunk, dim))
+        out = partial.view(kv_heads, count, rows, dim).sum(dim=1, dtype=softmax_dtype(query.dtype)).to(query.dtype)
+    else:
+        out = torch.bmm(probs.view(kv_heads, rows, slots), values)
     return out.view(heads, length, dim).transpose(0, 1).reshape(length, heads * dim)
 
 

@@ -13,12 +13,16 @@ W-1 inputs) and the recurrent state of each Gated DeltaNet layer. The number of 
 tensor (`length`), so one captured graph serves every context length.
 
 Exact rollback. A verification reads the linear-attention states but does not advance them; it keeps what the
-recurrence consumes (the conv inputs, keys, values, decays and betas of the block). `commit` then advances the
-states over exactly the first `keep` tokens, all layers at once: the conv window is the last W-1 of
+recurrence consumes (the conv inputs and outputs, the raw decay and beta projections of the block; the
+projections are computed straight into those buffers). `commit` then advances the states over exactly the first
+`keep` tokens, all layers at once: the conv window is the last W-1 of
 `[state, inputs[:keep]]`, and the delta rule runs over the block with beta = 0 and decay = 1 (g = 0) after `keep`. Such a step leaves the
 state bit for bit unchanged (S * 1 + k * 0), so the committed state is the one that the same kernel reaches
 over the `keep` tokens alone; the attention layers only need `length` advanced (rows past it are masked and
 later overwritten). tests/spec/engine prove the result equal to a no-cache forward of the whole sequence.
+
+On a GPU the commit runs on a side stream: nothing the drafter computes next depends on it, so it overlaps the
+next draft; the next decode, verify or prefill waits for it (`join`).
 
 Supported: dense-MLP Qwen3.5 (Gated DeltaNet + gated full attention) and Qwen3 targets; `unsupported_reason`
 names what else is found. The MLPs, norms and projections are the model's own modules.
@@ -40,6 +44,16 @@ SHORT_PREFILL = 64
 _GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj")
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _project(linear: torch.nn.Module, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`linear(x)`, written into `out` when given: by the matmul itself for a plain bias-free Linear (the same
+    cuBLAS call as F.linear, so the same bits), else copied."""
+    if out is None:
+        return linear(x)
+    if type(linear) is torch.nn.Linear and linear.bias is None:
+        return torch.mm(x, linear.weight.t(), out=out)
+    return out.copy_(linear(x))
 
 
 def text_model(target: torch.nn.Module) -> torch.nn.Module:
@@ -99,13 +113,14 @@ class _LinearStates:
             ):
                 raise ValueError(f"layer {i}: Gated DeltaNet shapes differ from layer {next(iter(modules))}'s")
         self.slot = {i: j for j, i in enumerate(modules)}
+        self.heads_k, self.heads_v, self.k_dim, self.v_dim = heads_k, heads_v, k_dim, v_dim
         self.conv = torch.zeros(count, conv_dim, width - 1, dtype=dtype, device=device)
         self.recurrent = torch.zeros(count, heads_v, k_dim, v_dim, dtype=state_dtype, device=device)
+        # What a verification keeps, per layer (layer-major, so that each layer's slice is contiguous).
         self.block_inputs = torch.zeros(count, block_size, conv_dim, dtype=dtype, device=device)  # conv inputs
-        self.block_k = torch.zeros(block_size, count, heads_k, k_dim, dtype=dtype, device=device)
-        self.block_v = torch.zeros(block_size, count, heads_v, v_dim, dtype=dtype, device=device)
-        self.block_a = torch.zeros(block_size, count, heads_v, dtype=dtype, device=device)  # raw decay projection
-        self.block_beta = torch.zeros(block_size, count, heads_v, dtype=dtype, device=device)
+        self.block_qkv = torch.zeros(count, block_size, conv_dim, dtype=dtype, device=device)  # conv outputs
+        self.block_b = torch.zeros(count, block_size, heads_v, dtype=dtype, device=device)  # raw beta projection
+        self.block_a = torch.zeros(count, block_size, heads_v, dtype=dtype, device=device)  # raw decay projection
         # Per-layer decay parameters side by side, as the stacked heads need them.
         self.A_log = torch.cat([m.A_log.detach() for m in modules.values()])
         self.dt_bias = torch.cat([m.dt_bias.detach() for m in modules.values()])
@@ -117,6 +132,9 @@ class TargetEngine:
     max_len: most tokens the caches hold (prompt + generated); block_size: tokens per verification;
     feature_layers: target layers whose outputs `verify` / `prefill` keep as drafter context features.
     """
+
+    # Commit on a side stream, overlapping the next draft (GPU only; a switch for benchmarks' A/B runs).
+    overlap_commit = True
 
     def __init__(
         self,
@@ -145,7 +163,7 @@ class TargetEngine:
         self.block_size = block_size
         # Room for a whole verified block after the last committed token.
         self.max_len = max_len
-        self.slots = max_len + block_size
+        self.slots = ops.attention_slots(max_len + block_size)
         self.feature_layers = sorted(feature_layers or [])
         if any(not 0 <= i < len(self.layers) for i in self.feature_layers):
             raise ValueError(f"feature_layers {self.feature_layers} outside the target's {len(self.layers)} layers")
@@ -177,6 +195,9 @@ class TargetEngine:
         self.features = torch.zeros(block_size, width, dtype=dt, device=dev)
         self.prompt_features: torch.Tensor | None = None
         self.num_tokens = 0  # host mirror of `length`
+        # The commit's own stream on a GPU (see the module docstring); None: commits run in line.
+        self.commit_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and self.overlap_commit else None
+        self._commit_in_flight = False
         self.steps = {
             "decode": Step(self._decode, "decode"),
             "verify": Step(self._verify, "verify"),
@@ -190,6 +211,7 @@ class TargetEngine:
         write into the caches."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA target, this one is on {self.device}")
+        self.join()
         with torch.inference_mode():
             capture_all(list(self.steps.values()))
             self.length.zero_()
@@ -209,6 +231,7 @@ class TargetEngine:
         length = ids.shape[0]
         if not 0 < length <= self.max_len:
             raise ValueError(f"prompt of {length} tokens: the engine holds 1 .. max_len={self.max_len} tokens")
+        self.join()
         positions = torch.arange(length, device=self.device)
         if self.linear is not None:
             self.linear.conv.zero_()
@@ -224,6 +247,7 @@ class TargetEngine:
     def decode(self) -> None:
         """One token (`decode_ids`) at position `length`; its logits into `decode_logits`; length += 1."""
         self._check_room(1)
+        self.join()
         self.steps["decode"]()
         self.num_tokens += 1
 
@@ -234,6 +258,7 @@ class TargetEngine:
         The caches advance only at `commit`.
         """
         self._check_room(self.block_size)
+        self.join()
         self.steps["verify"]()
 
     @torch.inference_mode()
@@ -241,9 +266,22 @@ class TargetEngine:
         """Keep the first `keep` (a device tensor, 1 .. block_size) tokens of the last verified block.
 
         The caller writes `keep` on the device (no host round trip) and reports the number with
-        `note_committed` once it has read it.
+        `note_committed` once it has read it. On a GPU it runs on `commit_stream` (see `join`).
         """
-        self.steps["commit"]()
+        if self.commit_stream is None:
+            self.steps["commit"]()
+            return
+        self.commit_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.commit_stream):
+            self.steps["commit"]()
+        self._commit_in_flight = True
+
+    def join(self) -> None:
+        """Make the current stream wait for a commit in flight (no host synchronisation). The engine's own steps
+        call it; call it before reading the caches or `length` directly."""
+        if self._commit_in_flight:
+            torch.cuda.current_stream(self.device).wait_stream(self.commit_stream)
+            self._commit_in_flight = False
 
     def note_committed(self, keep: int) -> None:
         if not 1 <= keep <= self.block_size:
@@ -276,14 +314,17 @@ class TargetEngine:
             return
         states.conv.copy_(ops.conv_tail(states.conv, states.block_inputs, self.keep))
         # All layers' heads side by side (see _LinearStates); beta = 0 and decay 1 (a = -inf: g = -0) past `keep`:
-        # those steps leave the state exactly as it was.
+        # those steps leave the state exactly as it was. Keys, values and beta are derived from the kept conv
+        # outputs and projections by the same ops as in the verification, so they are the same bits.
         rejected = (self.block_index >= self.keep)[:, None]
-        length, count, heads_v = states.block_a.shape
-        k = states.block_k.view(length, count * states.block_k.shape[2], -1)
-        v = states.block_v.view(length, count * heads_v, -1)
-        a = states.block_a.view(length, -1).masked_fill(rejected, float("-inf"))
-        beta = states.block_beta.view(length, -1).masked_fill(rejected, 0)
-        recurrent = states.recurrent.view(count * heads_v, *states.recurrent.shape[2:])
+        count, length, _ = states.block_qkv.shape
+        key_dim = states.heads_k * states.k_dim
+        qkv = states.block_qkv.transpose(0, 1)  # (T, layers, conv_dim)
+        k = qkv[..., key_dim : 2 * key_dim].reshape(length, count * states.heads_k, states.k_dim)
+        v = qkv[..., 2 * key_dim :].reshape(length, count * states.heads_v, states.v_dim)
+        a = states.block_a.transpose(0, 1).reshape(length, -1).masked_fill(rejected, float("-inf"))
+        beta = states.block_b.transpose(0, 1).reshape(length, -1).sigmoid().masked_fill(rejected, 0)
+        recurrent = states.recurrent.view(count * states.heads_v, *states.recurrent.shape[2:])
         _, final = ops.delta_rule(k, k, v, a, beta, states.A_log, states.dt_bias, recurrent, True)
         recurrent.copy_(final)
 
@@ -354,14 +395,19 @@ class TargetEngine:
         states, j = self.linear, self.linear.slot[i]
         conv, recurrent = states.conv[j], states.recurrent[j]
         length = x.shape[0]
-        inputs = module.in_proj_qkv(x)
+        verify = mode == "verify"
+        # A verification computes what commit needs straight into its buffers (no copy kernels).
+        inputs = _project(module.in_proj_qkv, x, states.block_inputs[j] if verify else None)
         z = module.in_proj_z(x)
-        b, a = module.in_proj_b(x), module.in_proj_a(x)
+        b = _project(module.in_proj_b, x, states.block_b[j] if verify else None)
+        a = _project(module.in_proj_a, x, states.block_a[j] if verify else None)
         weight = module.conv1d.weight.squeeze(1)
         if mode == "decode":
             qkv = ops.causal_conv_step(inputs, conv, weight, module.conv1d.bias)  # advances the window
         else:
             qkv = ops.causal_conv(inputs, conv, weight, module.conv1d.bias)
+        if verify:
+            states.block_qkv[j].copy_(qkv)
         beta = b.sigmoid()
         q, k, v = self._split_qkv(module, qkv)
         advance, chunked = mode != "verify", mode == "prefill" and length > SHORT_PREFILL
@@ -371,11 +417,5 @@ class TargetEngine:
             conv.copy_(ops.conv_tail(conv, inputs, self.prefill_keep))
         if advance:
             recurrent.copy_(final)
-        else:
-            states.block_inputs[j].copy_(inputs)
-            states.block_k[:, j].copy_(k)
-            states.block_v[:, j].copy_(v)
-            states.block_a[:, j].copy_(a)
-            states.block_beta[:, j].copy_(beta)
         out = self.gated_norms[i](out.reshape(-1, module.head_v_dim).to(x.dtype), z.reshape(-1, module.head_v_dim))
         return module.out_proj(out.reshape(length, -1))

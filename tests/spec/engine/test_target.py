@@ -4,6 +4,7 @@ prefill, decode steps, verifications and commits of every length (the exact hybr
 import pytest
 import torch
 
+from flashdraft.spec.engine import ops
 from flashdraft.spec.engine.target import TargetEngine, unsupported_reason
 from flashdraft.tiny_configs import build_tiny_target
 
@@ -37,9 +38,11 @@ def _engine(target, graphs: bool, **kwargs) -> TargetEngine:
     return engine
 
 
+# 2100: caches long enough to be attended in chunks (ops.cached_attention's split over slots).
+@pytest.mark.parametrize("max_len", [128, 2100], ids=["short-cache", "chunked-cache"])
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_step_equals_a_full_forward_without_cache(family, config):
+def test_every_step_equals_a_full_forward_without_cache(family, config, max_len):
     """prefill -> decode -> verify/commit with keep 1..bs in turn -> decode: each logit row equals the row of a
     no-cache forward of the tokens so far (so the caches hold exactly the kept tokens)."""
     device, dtype, graphs = config
@@ -50,7 +53,8 @@ def test_every_step_equals_a_full_forward_without_cache(family, config):
     n = prompt = 37  # odd prompt length; the cache holds tokens [0, n)
     with ready(target):
         expected = _reference_logits(target, ids, prompt)
-        engine = _engine(target, graphs, max_len=128, block_size=bs)
+        engine = _engine(target, graphs, max_len=max_len, block_size=bs)
+        assert (engine.slots % ops.ATTENTION_CHUNK == 0) == (max_len > ops.CHUNKED_FROM)
         atol = ATOL[dtype] * max(1.0, float(expected.abs().max()))
 
         def check(got, first, what):

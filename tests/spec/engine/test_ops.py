@@ -1,0 +1,39 @@
+"""The engine's attention over a static cache against a float64 softmax attention, short and chunked caches."""
+
+import pytest
+import torch
+
+from flashdraft.spec.engine import ops
+
+
+def _reference(query, keys, values, visible, scale):
+    heads, length, dim = query.shape
+    groups = heads // keys.shape[0]
+    k, v = (t.double().repeat_interleave(groups, dim=0) for t in (keys, values))
+    scores = torch.einsum("htd,hsd->hts", query.double(), k) * scale
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hts,hsd->htd", probs, v).transpose(0, 1).reshape(length, heads * dim)
+
+
+@pytest.mark.parametrize("slots", [37, ops.CHUNKED_FROM, ops.CHUNKED_FROM + 3 * ops.ATTENTION_CHUNK])
+@pytest.mark.parametrize("length", [1, 5])
+def test_cached_attention_matches_float64(slots, length):
+    g = torch.Generator().manual_seed(slots + length)
+    heads, kv_heads, dim = 6, 2, 8
+    query = torch.randn(heads, length, dim, generator=g)
+    keys, values = (torch.randn(kv_heads, slots, dim, generator=g) for _ in range(2))
+    # Each query sees a prefix of the slots ending at a random place (as `slot <= position` does).
+    ends = torch.randint(1, slots + 1, (length,), generator=g)
+    visible = torch.arange(slots)[None] < ends[:, None]
+    got = ops.cached_attention(query, keys, values, visible, 0.3)
+    want = _reference(query, keys, values, visible, 0.3)
+    assert got.shape == want.shape == (length, heads * dim)
+    assert (got.double() - want).abs().max() < 1e-5
+
+
+def test_attention_slots_are_chunk_multiples_only_when_chunked():
+    assert ops.attention_slots(100) == 100
+    assert ops.attention_slots(ops.CHUNKED_FROM + 1) % ops.ATTENTION_CHUNK == 0
+    assert (
+        ops.CHUNKED_FROM + 1 <= ops.attention_slots(ops.CHUNKED_FROM + 1) < ops.CHUNKED_FROM + 1 + ops.ATTENTION_CHUNK
+    )
