@@ -323,7 +323,9 @@ def main(argv_json: bool, model_spec: str | None, probe_layers: int = 4, build_l
         table.add_column(col, overflow="fold")
     colour = {OK: "green", WARN: "yellow", FAIL: "red", INFO: "cyan"}
     for c in result["checks"]:
-        table.add_row(c["name"], f"[{colour[c['status']]}]{c['status']}[/]", c["detail"], c["fix"], f"{c['seconds']:.1f}")
+        table.add_row(
+            c["name"], f"[{colour[c['status']]}]{c['status']}[/]", c["detail"], c["fix"], f"{c['seconds']:.1f}"
+        )
     console.print(table)
     if report is not None and report.layers:
         console.print(report.table())

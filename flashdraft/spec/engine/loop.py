@@ -203,11 +203,13 @@ def engine_decode(
     result.time_to_first_token = _now(device) - start
     result.stopped = last in stops
 
+    drafted = False  # the runner already drafted this round's block (enqueued by the previous round)
     while len(result.tokens) < max_new_tokens and not result.stopped:
         want = min(num_drafts, max_new_tokens - len(result.tokens) - 1)
         drafts = draft_probs = None
         if want > 0 and runner is not None:
-            runner.draft()
+            if not drafted:
+                runner.draft()
             if temperature > 0:
                 draft_probs = sampling_probs(runner.logits[:want], *sampling)
                 drafts = sample(draft_probs, generator)
@@ -224,7 +226,10 @@ def engine_decode(
             new = [_decode_step(engine, last, sampling, generator)]
         else:
             want = drafts.shape[0]
-            new = _verify_round(engine, runner, drafts, draft_probs, sampling, generator)
+            # Draft the next block before reading this round's result when a next round surely follows.
+            ahead = runner is not None and len(result.tokens) + want + 2 < max_new_tokens
+            new = _verify_round(engine, runner, drafts, draft_probs, sampling, generator, ahead)
+            drafted = ahead
             for i in range(want):
                 result.position_offered[i] += 1
                 result.position_accepted[i] += i < len(new) - 1
@@ -247,8 +252,12 @@ def _decode_step(engine: TargetEngine, token: int, sampling, generator) -> int:
     return int(next_token(engine.decode_logits[0], *sampling, generator))
 
 
-def _verify_round(engine, runner, drafts, draft_probs, sampling, generator) -> list[int]:
-    """Verify `drafts` (after the anchor already in verify_ids[0]), commit the accepted prefix; the emitted tokens."""
+def _verify_round(engine, runner, drafts, draft_probs, sampling, generator, draft_ahead: bool = False) -> list[int]:
+    """Verify `drafts` (after the anchor already in verify_ids[0]), commit the accepted prefix; the emitted tokens.
+
+    draft_ahead: also enqueue the runner's next draft (it needs only device values) before the host reads the
+    result, so that the GPU drafts while the host reads and enqueues the next verification.
+    """
     want = drafts.shape[0]
     engine.verify_ids[1 : 1 + want].copy_(drafts)
     engine.verify()
@@ -265,7 +274,18 @@ def _verify_round(engine, runner, drafts, draft_probs, sampling, generator) -> l
         runner.pending.copy_(engine.keep)
         runner.block_ids[:1].copy_(bonus.view(1))
     # The one host synchronisation of the round.
-    values = torch.cat([accepted.view(1), bonus.view(1), drafts]).tolist()
+    values = torch.cat([accepted.view(1), bonus.view(1), drafts])
+    if draft_ahead and engine.host_values is not None:
+        host = engine.host_values[: values.shape[0]]
+        host.copy_(values, non_blocking=True)
+        engine.read_event.record()
+        runner.draft()
+        engine.read_event.synchronize()
+        values = host.tolist()
+    else:
+        if draft_ahead:
+            runner.draft()
+        values = values.tolist()
     count = values[0]
     engine.note_committed(count + 1)
     return values[2 : 2 + count] + [values[1]]

@@ -68,8 +68,8 @@ class Norm:
         return _fla_rms_norm()(x, self.weight, None, eps=self.eps)
 
 
-def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Half precision attends in float32 (as transformers' eager attention does); float32/64 in their own dtype."""
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Sums of half-precision partial results are taken in float32; float32/64 in their own dtype."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
@@ -104,17 +104,19 @@ def cached_attention(
     kv_heads, slots = keys.shape[:2]
     groups = heads // kv_heads
     rows = groups * length
-    # Query head h uses key head h // groups (transformers' repeat_kv order).
-    q = query.reshape(kv_heads, rows, dim)
-    scores = torch.bmm(q, keys.transpose(1, 2)) * scale
-    scores = scores.view(kv_heads, groups, length, slots).masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype(query.dtype)).to(query.dtype)
+    # Query head h uses key head h // groups (transformers' repeat_kv order). The scale goes into the (few) query
+    # rows rather than over all scores, and the softmax (float32 inside for half precision) writes the input
+    # dtype: two passes over the (rows x S) scores fewer.
+    q = (query * scale).reshape(kv_heads, rows, dim)
+    scores = torch.bmm(q, keys.transpose(1, 2))
+    scores.view(kv_heads, groups, length, slots).masked_fill_(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
     chunk = ATTENTION_CHUNK
     if chunk and slots >= CHUNKED_FROM and slots % chunk == 0:
         count = slots // chunk
         parts = probs.view(kv_heads, rows, count, chunk).transpose(1, 2).reshape(kv_heads * count, rows, chunk)
         partial = torch.bmm(parts, values.view(kv_heads * count, chunk, dim))
-        out = partial.view(kv_heads, count, rows, dim).sum(dim=1, dtype=softmax_dtype(query.dtype)).to(query.dtype)
+        out = partial.view(kv_heads, count, rows, dim).sum(dim=1, dtype=accumulation_dtype(query.dtype)).to(query.dtype)
     else:
         out = torch.bmm(probs.view(kv_heads, rows, slots), values)
     return out.view(heads, length, dim).transpose(0, 1).reshape(length, heads * dim)

@@ -198,6 +198,10 @@ class TargetEngine:
         # The commit's own stream on a GPU (see the module docstring); None: commits run in line.
         self.commit_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and self.overlap_commit else None
         self._commit_in_flight = False
+        # Pinned host memory and an event for reading a round's result while the GPU goes on (loop.py).
+        cuda = dev.type == "cuda"
+        self.host_values = torch.zeros(block_size + 1, dtype=torch.long, pin_memory=True) if cuda else None
+        self.read_event = torch.cuda.Event() if cuda else None
         self.steps = {
             "decode": Step(self._decode, "decode"),
             "verify": Step(self._verify, "verify"),
