@@ -139,6 +139,8 @@ def check_triton() -> Check:
 
 
 def check_fla() -> Check:
+    """Importable, and where its kernels can run. Running them is the probe's job: a separate run here would
+    autotune fla's chunk kernels at other shapes, doubling a first run's compile time (54 s of it on an H200)."""
     from flashdraft.fastpath.backends import import_status
 
     mod, why = import_status("fla.ops.gated_delta_rule")
@@ -147,15 +149,7 @@ def check_fla() -> Check:
         return Check("fla-core", FAIL, why, "pip install fla-core==0.6.0 (pure Python + Triton; no build)")
     if not torch.cuda.is_available():
         return Check("fla-core", INFO, f"fla-core {version} importable; its kernels need a CUDA device", "")
-    try:
-        q, k, v = (torch.nn.functional.normalize(torch.randn(1, 16, 2, 32, device="cuda"), dim=-1) for _ in range(3))
-        g = -torch.rand(1, 16, 2, device="cuda")
-        beta = torch.rand(1, 16, 2, device="cuda")
-        mod.chunk_gated_delta_rule(q, k, v, g=g, beta=beta)
-    except Exception as exc:
-        return Check("fla-core", FAIL, f"fla-core {version} imports but its kernel failed: {exc}",
-                     "check triton/torch versions against fla-core's requirements")  # fmt: skip
-    return Check("fla-core", OK, f"fla-core {version}: gated delta rule kernels run on this GPU")
+    return Check("fla-core", OK, f"fla-core {version} importable; the probe runs its delta-rule kernels per layer")
 
 
 def check_causal_conv1d() -> Check:
@@ -251,7 +245,7 @@ def run_doctor(model_spec: str | None = None, probe_layers: int = 4, progress=No
     steps = [
         ("gpu", check_gpu), ("torch", check_torch), ("driver", check_driver),
         ("triton (compiles flashdraft's conv on a GPU)", check_triton),
-        ("fla-core (runs its delta rule on a GPU)", check_fla), ("causal-conv1d", check_causal_conv1d),
+        ("fla-core", check_fla), ("causal-conv1d", check_causal_conv1d),
         ("transformers", check_transformers),
     ]  # fmt: skip
     checks: list[Check] = []
@@ -266,7 +260,10 @@ def run_doctor(model_spec: str | None = None, probe_layers: int = 4, progress=No
         progress(f"{label}: {seconds:.1f} s")
     layers: list[dict] = []
     report = None
-    progress("probe: building the model and running a prefill and a decode step per layer ...")
+    progress(
+        "probe: building the model and running a prefill and a decode step per layer (a first run on a GPU "
+        "compiles and autotunes fla's Triton kernels: about a minute; cached afterwards) ..."
+    )
     start = time.perf_counter()
     try:
         model = build_probe_model(model_spec, probe_layers)
