@@ -96,9 +96,10 @@ def cached_attention(
     inside a CUDA graph whatever the number of valid slots. Invalid slots cost bandwidth but never weight.
 
     probs @ values reduces over all S slots into a small (rows x d) output: one GEMM has few output tiles to
-    spread over the GPU, each reducing over all slots (bench/NOTES.md: the verify profile). Long caches are therefore split into chunks of
+    spread over the GPU, each reducing over all slots. Long caches are therefore split into chunks of
     ATTENTION_CHUNK slots, each a GEMM of the batch, and the partial outputs summed (in float32 for half
-    precision; split-K by hand, as flash-decoding splits the keys).
+    precision; split-K by hand, as flash-decoding splits the keys). bench/RESULTS.md (2026-12-03, session 6) has
+    the A/B runs.
     """
     heads, length, dim = query.shape
     kv_heads, slots = keys.shape[:2]

@@ -15,10 +15,10 @@ tensor (`length`), so one captured graph serves every context length.
 Exact rollback. A verification reads the linear-attention states but does not advance them; it keeps what the
 recurrence consumes (the conv inputs and outputs, the raw decay and beta projections of the block; the
 projections are computed straight into those buffers). `commit` then advances the states over exactly the first
-`keep` tokens, all layers at once: the conv window is the last W-1 of
-`[state, inputs[:keep]]`, and the delta rule runs over the block with beta = 0 and decay = 1 (g = 0) after `keep`. Such a step leaves the
-state bit for bit unchanged (S * 1 + k * 0), so the committed state is the one that the same kernel reaches
-over the `keep` tokens alone; the attention layers only need `length` advanced (rows past it are masked and
+`keep` tokens, all layers at once: the conv window is the last W-1 of `[state, inputs[:keep]]`, and the delta
+rule runs over the block with beta = 0 and decay = 1 (g = 0) after `keep`. Such a step leaves the state bit for
+bit unchanged (S * 1 + k * 0), so the committed state is the one that the same kernel reaches over the `keep`
+tokens alone; the attention layers only need `length` advanced (rows past it are masked and
 later overwritten). tests/spec/engine prove the result equal to a no-cache forward of the whole sequence.
 
 On a GPU the commit runs on a side stream: nothing the drafter computes next depends on it, so it overlaps the
