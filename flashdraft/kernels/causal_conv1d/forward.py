@@ -333,7 +333,8 @@ def _prune_by_width(configs, named_args, **kwargs):
 
 
 def _row_configs(vec: int) -> list[triton.Config]:
-    """Row-walk configs: BLOCK_D = vec * 32 * num_warps, so each thread loads vec elements (16 bytes) of a row."""
+    """Row-walk configs. Most have BLOCK_D = vec * 32 * num_warps, so each thread loads vec elements (16 bytes) of
+    a row; the last two are narrower."""
     c = triton.Config
     return [
         c({"BLOCK_D": vec * 64, "SUB_L": 8, "N_SUB": 8}, num_warps=2, num_stages=1),
@@ -348,6 +349,10 @@ def _row_configs(vec: int) -> list[triton.Config]:
         # above give one program per 256+ channels that walks all 16 rows (9 us at D=10240 on the H200).
         c({"BLOCK_D": vec * 32, "SUB_L": 4, "N_SUB": 1}, num_warps=1, num_stages=1),
         c({"BLOCK_D": vec * 32, "SUB_L": 8, "N_SUB": 1}, num_warps=1, num_stages=1),
+        # Narrower programs (4 or 2 elements per thread): more of them per SM when B * L is small, as Dao's 64-channel
+        # tiles are. Unmeasured yet; prediction in bench/NOTES.md ((1, 8192) >= 3000 GB/s, (8, 8192) unchanged).
+        c({"BLOCK_D": vec * 16, "SUB_L": 16, "N_SUB": 4}, num_warps=1, num_stages=1),
+        c({"BLOCK_D": vec * 8, "SUB_L": 16, "N_SUB": 4}, num_warps=1, num_stages=1),
     ]
 
 
