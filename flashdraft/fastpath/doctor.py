@@ -78,21 +78,19 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def check_gpu() -> list[Check]:
+def check_gpu() -> Check:
     if not torch.cuda.is_available():
-        return [
-            Check(
-                "gpu",
-                FAIL,
-                "no CUDA device: the fast kernels cannot run; CPU runs use the torch reference (correct, slow)",
-                "run on a machine with an NVIDIA GPU (compute capability >= 8.0) to train at speed",
-            )
-        ]
+        return Check(
+            "gpu",
+            FAIL,
+            "no CUDA device: the fast kernels cannot run; CPU runs use the torch reference (correct, slow)",
+            "run on a machine with an NVIDIA GPU (compute capability >= 8.0) to train at speed",
+        )
     major, minor = torch.cuda.get_device_capability()
     name = torch.cuda.get_device_name()
     status = OK if major >= 8 else WARN
     fix = "" if status == OK else "fla's kernels are tuned for sm_80+; expect lower speed"
-    return [Check("gpu", status, f"{name}, compute capability {major}.{minor}", fix)]
+    return Check("gpu", status, f"{name}, compute capability {major}.{minor}", fix)
 
 
 def check_torch() -> Check:
@@ -252,11 +250,10 @@ def run_doctor(model_spec: str | None = None, probe_layers: int = 4, progress=No
     for label, fn in steps:
         progress(f"{label} ...")
         start = time.perf_counter()
-        found = fn()
+        check = fn()
         seconds = time.perf_counter() - start
-        for c in found if isinstance(found, list) else [found]:
-            c.seconds = round(seconds, 2)
-            checks.append(c)
+        check.seconds = round(seconds, 2)
+        checks.append(check)
         progress(f"{label}: {seconds:.1f} s")
     layers: list[dict] = []
     report = None

@@ -275,16 +275,17 @@ def _verify_round(engine, runner, drafts, draft_probs, sampling, generator, draf
         runner.block_ids[:1].copy_(bonus.view(1))
     # The one host synchronisation of the round.
     values = torch.cat([accepted.view(1), bonus.view(1), drafts])
-    if draft_ahead and engine.host_values is not None:
-        host = engine.host_values[: values.shape[0]]
-        host.copy_(values, non_blocking=True)
-        engine.read_event.record()
+    host = None
+    if draft_ahead:
+        if engine.host_values is not None:  # on a GPU: read through pinned memory while the draft runs
+            host = engine.host_values[: values.shape[0]]
+            host.copy_(values, non_blocking=True)
+            engine.read_event.record()
         runner.draft()
+    if host is not None:
         engine.read_event.synchronize()
         values = host.tolist()
     else:
-        if draft_ahead:
-            runner.draft()
         values = values.tolist()
     count = values[0]
     engine.note_committed(count + 1)

@@ -195,11 +195,11 @@ class TargetEngine:
         self.features = torch.zeros(block_size, width, dtype=dt, device=dev)
         self.prompt_features: torch.Tensor | None = None
         self.num_tokens = 0  # host mirror of `length`
+        cuda = dev.type == "cuda"
         # The commit's own stream on a GPU (see the module docstring); None: commits run in line.
-        self.commit_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and self.overlap_commit else None
+        self.commit_stream = torch.cuda.Stream(dev) if cuda and self.overlap_commit else None
         self._commit_in_flight = False
         # Pinned host memory and an event for reading a round's result while the GPU goes on (loop.py).
-        cuda = dev.type == "cuda"
         self.host_values = torch.zeros(block_size + 1, dtype=torch.long, pin_memory=True) if cuda else None
         self.read_event = torch.cuda.Event() if cuda else None
         self.steps = {
