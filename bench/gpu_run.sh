@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, build Dao's causal-conv1d (sm_90 only) in the background as an anchor,
 # run the GPU tests, then the kernel benchmark. Usage (on the GPU machine, repo root): bash bench/gpu_run.sh
-# Knobs (environment): TESTS, TEST_TIMEOUT, DOCTOR, EXTRA, DAO_WAIT, SKIP_DAO, SKIP_BENCH, KERNEL_ARGS, BENCH_TIMEOUT.
+# Knobs (environment): TESTS, TEST_TIMEOUT, TEST_WORKERS, DOCTOR, EXTRA, DAO_WAIT, DAO_JOBS, SKIP_DAO, SKIP_BENCH, KERNEL_ARGS, BENCH_TIMEOUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+# Once per machine: a warm machine's later call (or a job started before this script) already has them.
+[ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 # DOCTOR=1: `flashdraft doctor --json` first, on an idle machine (its first run compiles Triton kernels).
 if [ -n "${DOCTOR:-}" ]; then
@@ -18,7 +19,7 @@ if [ -z "${SKIP_DAO:-}" ] && [ -n "$CC_SDIST" ]; then
   CC_DIR=$(basename "$CC_SDIST" .tar.gz)
   ( set -e; mkdir -p /tmp/cc && tar xzf "$CC_SDIST" -C /tmp/cc && cd "/tmp/cc/$CC_DIR" \
     && python3 "$OLDPWD/bench/build_dao_sm90.py" setup.py \
-    && CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=12 python3 -m pip install -q --no-build-isolation --no-deps \
+    && CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=${DAO_JOBS:-12} python3 -m pip install -q --no-build-isolation --no-deps \
        --target /tmp/site2 . ) > "$OUT/dao_build.log" 2>&1 &
   DAO_PID=$!
 fi

@@ -12,7 +12,8 @@ per sequence length, 512 anchors x 16, batch 1:
                truncated, `fastpath.enable`), FlexAttention block mask, chunked linear CE, compiled drafter layers,
                fp32 master weights under bf16 autocast, fused AdamW — the defaults of `train.*` on CUDA
   --ablate     adds flashdraft with train.compile=false, and with train.attention=sdpa too (what each lever buys),
-               and times the target's forward with cuDNN attention first (a lever not shipped yet)
+               and times the target's forward with cuDNN attention first
+  --try K=V    adds flashdraft with one more override (repeatable), e.g. --try target.cudnn_attention=true
 Each: warmup steps, then timed steps: median wall seconds per step (synchronised), sequence tokens/s, MFU of one FLOP
 count per length (DESIGN.md's cost model, printed), peak GPU memory of the timed steps, CUDA-event breakdown.
 Extra arguments `section.field=value` override flashdraft's config (e.g. train.compile=false).
@@ -160,25 +161,24 @@ def run_flashdraft(target, d, seq, device, warmup, steps, overrides, label="flas
 
 
 def target_sdpa_backends(target, d: naive.Dims, seq: int) -> dict:
-    """A lever not shipped yet: the target's 16 full-attention layers on cuDNN attention before flash (SDPA's
+    """`target.cudnn_attention`: the target's 16 full-attention layers on cuDNN attention before flash (SDPA's
     default order). Times `FrozenTarget.capture` both ways and compares the features."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     from bench.timing import events_ms
 
     ids = torch.randint(0, d.vocab, (1, seq), device="cuda")
     attn = torch.ones_like(ids)
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     default = target.capture(ids, attn)
     default_ms = events_ms(lambda: target.capture(ids, attn), iters=3, warmup=1)
+    target.cudnn_attention = True
     try:
-        with sdpa_kernel(order, set_priority=True):
-            cudnn = target.capture(ids, attn)
-            cudnn_ms = events_ms(lambda: target.capture(ids, attn), iters=3, warmup=1)
+        cudnn = target.capture(ids, attn)
+        cudnn_ms = events_ms(lambda: target.capture(ids, attn), iters=3, warmup=1)
         err = ((cudnn.float() - default.float()).norm() / default.float().norm()).item()
         row = {"cudnn_first_ms": cudnn_ms, "features_relerr": err}
     except Exception as exc:  # noqa: BLE001 - a lever that does not run here is a result, not a failure
         row = {"cudnn_first_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    finally:
+        target.cudnn_attention = False
     free(default)
     return {"variant": "target sdpa backends", "seq": seq, "default_ms": default_ms, **row}
 
@@ -211,6 +211,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "train_step.json"))
     ap.add_argument("--smoke", action="store_true", help="a tiny target and drafter on the CPU (checks the script)")
     ap.add_argument("--ablate", action="store_true", help="also flashdraft without compile, and with SDPA too")
+    ap.add_argument("--try", dest="tries", action="append", default=[], metavar="section.field=value",
+                    help="also flashdraft with this override added (repeatable)")  # fmt: skip
     ap.add_argument("--skip-naive", action="store_true")
     ap.add_argument("overrides", nargs="*", metavar="section.field=value", help="flashdraft config overrides")
     args = ap.parse_args()
@@ -247,6 +249,7 @@ def main() -> None:
     if args.ablate:
         variants += [("flashdraft[eager]", [*args.overrides, "train.compile=false"]),
                      ("flashdraft[eager,sdpa]", [*args.overrides, "train.compile=false", "train.attention=sdpa"])]  # fmt: skip
+    variants += [(f"flashdraft[{extra}]", [*args.overrides, extra]) for extra in args.tries]
     for seq in seqs:
         # Each length compiles its own static graphs, as it would run alone (a training run's varying lengths get
         # one dynamic graph after the second length instead).

@@ -43,6 +43,9 @@ class TargetConfig:
     """Run code shipped with the target checkpoint. Off unless you trust its author."""
     attn_implementation: str = "sdpa"
     """transformers attention implementation of the target."""
+    cudnn_attention: bool = False
+    """Training: the target's SDPA layers try cuDNN attention before flash. On Hopper cuDNN runs long causal prefill
+    at head dim 256 faster (bench/RESULTS.md); it plans each new shape once (~5 ms), which fixed lengths amortise."""
     shard: bool = False
     """Under torchrun: shard the target's decoder layers over the ranks with FSDP2 (each GPU holds 1/N of them and
     gathers one layer at a time) instead of a whole copy per GPU; for targets that do not fit one GPU. The target

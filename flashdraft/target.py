@@ -43,7 +43,10 @@ class FrozenTarget:
         config: the *full* text config of the target (all layers), what a drafter is built from.
         target_layer_ids: the layers whose outputs `capture` concatenates, in this order.
         fastpath_report: what `fastpath.enable` proved for each linear-attention layer (empty for plain targets).
+        cudnn_attention: `capture` on a GPU tries SDPA's cuDNN backend first (`target.cudnn_attention`).
     """
+
+    cudnn_attention: bool = False
 
     def __init__(
         self,
@@ -149,13 +152,27 @@ class FrozenTarget:
         layers = self.decoder.layers
         handles = [layers[i].register_forward_hook(_bind(write, i)) for i in slots]
         try:
-            self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            with self._sdpa_priority():
+                self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         finally:
             for handle in handles:
                 handle.remove()
         if written != set(slots):
             raise RuntimeError(f"target layers {sorted(set(slots) - written)} did not run during capture")
         return features
+
+    def _sdpa_priority(self):
+        if not (self.cudnn_attention and self.device.type == "cuda"):
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        order = [
+            SDPBackend.CUDNN_ATTENTION,
+            SDPBackend.FLASH_ATTENTION,
+            SDPBackend.EFFICIENT_ATTENTION,
+            SDPBackend.MATH,
+        ]
+        return sdpa_kernel(order, set_priority=True)
 
 
 def _bind(fn, layer: int):

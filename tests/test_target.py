@@ -176,3 +176,23 @@ def test_capture_on_gpu_with_fast_path(family):
     target = FrozenTarget.from_model(model, [1, 3, 5])  # strict on CUDA: every linear-attention layer fast
     assert target.fastpath_report.ok
     assert torch.equal(target.capture(ids), torch.cat([hidden_states[i + 1] for i in [1, 3, 5]], dim=-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_capture_with_cudnn_attention_on_gpu(family):
+    """`target.cudnn_attention` changes the attention backend, not the features: both bf16 paths sit as close to the
+    float64 reference (same weights) as each other."""
+    ids = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(0))
+    layer_ids = [1, 3, 5]
+    reference = full_reference(family, torch.float64, ids)
+    expected = torch.cat([reference[i + 1] for i in layer_ids], dim=-1)
+    errors = {}
+    for cudnn in (False, True):
+        model = build_tiny_target(family, LAYERS, dtype=torch.float64).to("cuda", torch.bfloat16)
+        target = FrozenTarget.from_model(model, layer_ids)
+        target.cudnn_attention = cudnn
+        got = target.capture(ids.cuda()).double().cpu()
+        errors[cudnn] = ((got - expected).norm() / expected.norm()).item()
+    assert errors[True] < 2e-2 and errors[True] <= 2 * errors[False] + 1e-3, errors

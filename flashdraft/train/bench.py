@@ -108,6 +108,7 @@ def bench_setup(cfg, target, *, tokenizer=None, steps: int = 8):
     from flashdraft.train.accel import compile_layers
 
     device = target.device
+    target.cudnn_attention = cfg.target.cudnn_attention
     with torch.device(device):  # initialised in place: no CPU copy of a multi-GB drafter
         drafter = loop._drafter(cfg, target, tokenizer)
     compile_layers(drafter, cfg.train.compile, device)

@@ -296,6 +296,7 @@ def step_flops(s: Setup, seq_tokens: int, labelled: int) -> float:
 
 def setup(cfg: RunConfig, out: Path, console) -> Setup:
     device, tokenizer, target, data, features = load_inputs(cfg, out, console)
+    target.cudnn_attention = cfg.target.cudnn_attention
     drafter = _drafter(cfg, target, tokenizer).to(device)
     compile_layers(drafter, cfg.train.compile, device)  # per layer, before sharding (as torchtitan orders them)
     drafter = distributed.parallelize_drafter(drafter, device)
