@@ -139,11 +139,11 @@ class TrainConfig:
     """Seed of initialisation, data order and anchors."""
     attention: str = "auto"
     """The drafter's attention in training: flex (compiled FlexAttention with a block-sparse mask, CUDA only) | sdpa
-    (a dense boolean mask) | auto (sdpa until the flex path has passed its H200 test). Same mask, same result up to
+    (a dense boolean mask) | auto (sdpa until flex passes its varying-shape GPU test). Same mask, same result up to
     rounding."""
     compile: bool | str = "auto"
-    """torch.compile the drafter's layers: true | false | auto (off until verified on the H200). The first step compiles (about a
-    minute); a new sequence length recompiles once, then shapes are dynamic."""
+    """torch.compile the drafter's layers: true | false | auto (off, as for attention). The first step compiles (about
+    a minute); a new sequence length recompiles once, then shapes are dynamic."""
     device: str = "auto"
     """auto | cpu | cuda."""
     on_nonfinite: str = "stop"

@@ -393,7 +393,7 @@ def add_parser(subparsers) -> None:
         choices=("auto", "on", "off"),
         default="auto",
         help="on: flashdraft's engine (static caches, CUDA graphs; dense Qwen3.5/Qwen3 on CUDA); off: transformers; "
-        "auto: off until the engine is verified on a GPU",
+        "auto (default): the engine on a CUDA target it supports, else transformers",
     )
     p.set_defaults(run=run)
 

@@ -278,21 +278,17 @@ def speculative_decode(
     return result
 
 
-# auto (engine=None) turns the engine on for CUDA targets once its CUDA-graph path has passed on the H200
-# (tests/spec/engine, bench/spec_engine.py): until then it is opt-in (`engine=True`, `flashdraft eval --engine on`).
-ENGINE_BY_DEFAULT = False
-
-
 def use_engine(target: torch.nn.Module, engine: bool | None) -> bool:
-    """Whether to decode with `flashdraft.spec.engine`: None (auto) = on a CUDA target the engine supports, once
-    ENGINE_BY_DEFAULT; True = always (a ValueError says why it cannot); False = never (this module's plain loop)."""
+    """Whether to decode with `flashdraft.spec.engine`: None (auto) = on a CUDA target the engine supports (its
+    CUDA-graph path passed the whole GPU suite and bench/spec_engine.py's goals on the H200, 2026-12-03); True =
+    always (a ValueError says why it cannot); False = never (this module's plain loop)."""
     if engine is False:
         return False
     from flashdraft.spec.engine.loop import engine_available
 
     reason = engine_available(target)
     if engine is None:
-        return ENGINE_BY_DEFAULT and reason is None and next(target.parameters()).device.type == "cuda"
+        return reason is None and next(target.parameters()).device.type == "cuda"
     if reason is not None:
         raise ValueError(f"engine=True, but the engine cannot run this target: {reason}")
     return True

@@ -23,8 +23,9 @@ def attention_kind(setting: str, device: torch.device) -> str:
     if setting not in ATTENTION:
         raise ValueError(f"train.attention = {setting!r}: must be one of {', '.join(ATTENTION)}")
     if setting == "auto":
-        # Until the FlexAttention path passes its GPU test (tests/drafter/test_flex.py: on the H200 the fp32 flex
-        # backward failed to lower, "NoValidChoicesError"), auto keeps the verified dense-mask SDPA path everywhere.
+        # Compiled FlexAttention is fast at fixed shapes (P4 met), but a tiny-target run on the H200 whose lengths
+        # change every step stopped at step 2 ("shape '[2522, 64]' is invalid for input of size 2048"). Until
+        # tests/drafter/test_flex.py's varying-shape GPU test passes, auto keeps the dense-mask SDPA path.
         return "sdpa"
     if setting == "flex" and device.type != "cuda":
         raise ValueError(f"train.attention = flex needs a CUDA device (training on {device.type}): FlexAttention has "
@@ -56,7 +57,7 @@ def compile_enabled(setting: bool | str, device: torch.device) -> bool:
     """`train.compile` resolved for `device`: auto does not compile yet (see above); a CPU compile needs a C++
     toolchain and costs more than it saves at CPU sizes."""
     if setting == "auto":
-        return False  # as for attention: on by default once the compiled layers have passed on the H200
+        return False  # as for attention: on by default once the varying-shape GPU test passes
     if not isinstance(setting, bool):
         raise ValueError(f"train.compile = {setting!r}: must be auto, true or false")
     return setting

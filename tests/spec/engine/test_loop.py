@@ -179,3 +179,21 @@ def test_a_failed_capture_warns_and_runs_eagerly():
         result = loop.engine_decode(target, prompt, 8, drafter=drafter, block_size=4, graphs=True)
         assert result.backend == "engine" and result.tokens == reference_greedy(target, prompt, 8)
     loop.drop_session(target)
+
+
+def test_engine_choice():
+    """auto (None) is the engine on a CUDA target it supports and the plain loop elsewhere; on (True) insists and
+    says why it cannot; off (False) never uses it."""
+    from flashdraft.spec.generate import use_engine
+    from flashdraft.tiny_configs import build_tiny_target
+
+    cpu = build_tiny_target("qwen3_5")
+    assert use_engine(cpu, None) is False
+    assert use_engine(cpu, True) is True  # the engine runs on the CPU too, eagerly
+    assert use_engine(cpu, False) is False
+    moe = build_tiny_target("qwen3_5_moe")
+    assert use_engine(moe, None) is False
+    with pytest.raises(ValueError, match="MoE"):
+        use_engine(moe, True)
+    if torch.cuda.is_available():
+        assert use_engine(build_tiny_target("qwen3_5", device="cuda"), None) is True
