@@ -44,8 +44,8 @@ class TargetConfig:
     attn_implementation: str = "sdpa"
     """transformers attention implementation of the target."""
     cudnn_attention: bool = False
-    """Training: the target's SDPA layers try cuDNN attention before flash. On Hopper cuDNN runs long causal prefill
-    at head dim 256 faster (bench/RESULTS.md); it plans each new shape once (~5 ms), which fixed lengths amortise."""
+    """Training: the target's SDPA layers try cuDNN attention before flash. On the H200 it bought 0.5% of a 27B step at
+    seq 32768 (bench/RESULTS.md); it plans each new shape once (~5 ms), which only fixed lengths amortise."""
     shard: bool = False
     """Under torchrun: shard the target's decoder layers over the ranks with FSDP2 (each GPU holds 1/N of them and
     gathers one layer at a time) instead of a whole copy per GPU; for targets that do not fit one GPU. The target
