@@ -87,6 +87,25 @@ def _providers() -> dict:
     return out
 
 
+def _forced_forward(kernel: str):
+    """flashdraft's forward with `forward.FORWARD_KERNEL` forced: a candidate timed beside the shipped choice."""
+    from flashdraft.kernels import causal_conv1d_fn
+    from flashdraft.kernels.causal_conv1d import forward
+
+    def run(x, w, act):
+        saved, forward.FORWARD_KERNEL = forward.FORWARD_KERNEL, kernel
+        try:
+            return causal_conv1d_fn(x, w, None, activation=act)
+        finally:
+            forward.FORWARD_KERNEL = saved
+
+    return run
+
+
+# Forward-only candidates, on channel-last x: the tile kernel there (rows is what ships for that layout).
+FORWARD_CANDIDATES = {"flashdraft-tile": "tile"}
+
+
 def _relerr(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
@@ -119,17 +138,16 @@ def _tuned_configs() -> dict:
 
 
 def _add_speedups(rows: list[dict], key: str) -> None:
-    """flashdraft's speed-up over each correct anchor of the same case, only if flashdraft is correct."""
+    """Each flashdraft row's speed-up over each correct anchor of the same case, only if that row is correct."""
     cases: dict[tuple, list[dict]] = {}
     for r in rows:
         cases.setdefault(r["case"], []).append(r)
     for group in cases.values():
-        mine = [r for r in group if r["provider"] == "flashdraft" and r.get("ok")]
-        if not mine:
-            continue
-        for r in group:
-            if r["provider"] != "flashdraft" and r.get("ok"):
-                mine[0].setdefault("speedup_vs", {})[r["provider"]] = round(r[key] / mine[0][key], 3)
+        ours = [r for r in group if r["provider"].startswith("flashdraft") and r.get("ok")]
+        for mine in ours:
+            for r in group:
+                if not r["provider"].startswith("flashdraft") and r.get("ok"):
+                    mine.setdefault("speedup_vs", {})[r["provider"]] = round(r[key] / mine[key], 3)
 
 
 def bench_forward(shapes=FWD_SHAPES) -> list[dict]:
@@ -144,7 +162,8 @@ def bench_forward(shapes=FWD_SHAPES) -> list[dict]:
             ref = torch_conv_fn(x.float(), w.float(), None, "silu")
             nbytes = 2 * x.numel() * x.element_size()
             case = f"B={batch} L={seqlen} {layout}"
-            for name, prov in providers.items():
+            candidates = {n: (_forced_forward(k), None) for n, k in FORWARD_CANDIDATES.items()}
+            for name, prov in {**providers, **(candidates if layout == "channel_last" else {})}.items():
                 if layout == "channel_first" and name not in ("flashdraft", "dao"):
                     continue
                 row = {"case": case, "provider": name, "B": batch, "L": seqlen, "layout": layout}
@@ -241,7 +260,7 @@ def bench_update(batch: int = UPDATE_BATCH) -> list[dict]:
 
 
 def _fmt(r: dict) -> str:
-    head = f"{r['case']:32s} {r['provider']:11s}"
+    head = f"{r['case']:32s} {r['provider']:15s}"
     if "note" in r:
         return f"{head} -- {r['note']}"
     if "us_event" in r:

@@ -197,6 +197,47 @@ def test_initial_and_final_states(cc, device, shapes, gen, dtype, layout, width,
     check_fn(cc, x, weight, None, h0=h0, return_final_states=True, final_states_out=out, activation="silu", gen=gen)
 
 
+class _Launches:
+    """Stands in for a forward kernel under the interpreter and counts its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+# Each forward kernel on the layout it does not serve by default (`forward.FORWARD_KERNEL`): the tile kernel on
+# channel-last x is a benchmark candidate, and both must be right on any strides.
+@pytest.mark.parametrize("kernel, layout", [("tile", "channel_last"), ("rows", "channel_first")])
+@pytest.mark.parametrize("dtype, width, options", [(BF16, 4, "seq_idx"), (F32, 3, "states"), (F16, 2, "states")])
+def test_forced_forward_kernel(cc, device, shapes, gen, monkeypatch, kernel, layout, dtype, width, options):
+    monkeypatch.setattr(cc.forward, "FORWARD_KERNEL", kernel)
+    name = "causal_conv1d_fwd_kernel" if kernel == "rows" else "causal_conv1d_fwd_tile_kernel"
+    launches = _Launches(getattr(cc.forward, name))
+    monkeypatch.setattr(cc.forward, name, launches)  # the interpreter's path; a GPU goes through `_tuned`
+    batch, dim, seqlen = shape = shapes["main"]
+    x = make_x(gen, shape, dtype, device, layout == "channel_last")
+    weight = torch.randn(dim, width, generator=gen).to(device, dtype)
+    bias = torch.randn(dim, generator=gen).to(device, dtype)
+    h0 = torch.randn(batch, dim, width - 1, generator=gen).to(device, dtype)
+    if options == "seq_idx":
+        seq_idx = make_seq_idx(batch, seqlen, width, device)
+        check_fn(cc, x, weight, bias, seq_idx=seq_idx, h0=h0, activation="silu", gen=gen)
+    else:
+        check_fn(cc, x, weight, bias, h0=h0, return_final_states=True, activation="silu", gen=gen)
+    tuned = "tile-cl" if (kernel, layout) == ("tile", "channel_last") else kernel
+    assert launches.count == 1 if not CUDA else (tuned, x.element_size()) in cc.forward._tuned
+
+
+def test_forward_kernel_setting_is_checked(cc, device, gen, monkeypatch):
+    monkeypatch.setattr(cc.forward, "FORWARD_KERNEL", "fast")
+    x = make_x(gen, (1, 8, 6), F32, device, True)
+    with pytest.raises(ValueError, match="FORWARD_KERNEL"):
+        cc.causal_conv1d_fn(x, torch.ones(8, 4, device=device))
+
+
 def test_final_states_without_initial_states_short_input(cc, device, gen):
     # L < W-1: the final states are zero-padded on the left.
     x = make_x(gen, (2, 24, 1), torch.float32, device, True)

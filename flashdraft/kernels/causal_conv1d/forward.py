@@ -9,7 +9,8 @@ Two kernels, one per memory layout of x `[B, D, L]`:
   one block ahead of the rows being computed, so that SUB_L 16-byte loads per thread are always in flight.
 - `causal_conv1d_fwd_tile_kernel` (channel-first, L contiguous, or any other strides). A `[BLOCK_D, BLOCK_L]` tile
   is computed from W shifted loads of x; the shifted loads mostly hit L1 but cannot be vectorised (misaligned),
-  so this layout runs well below the channel-last one.
+  so this layout runs well below the channel-last one. On channel-last x the shifted loads are whole rows, which
+  do vectorise: `FORWARD_KERNEL = "tile"` runs it there too (its own configs), for benchmarks to compare.
 
 Both accumulate in float32, take any float dtype of weight and bias, and support seq_idx, initial states and
 final states in either layout.
@@ -357,6 +358,7 @@ def _row_configs(vec: int) -> list[triton.Config]:
 
 
 def _tile_configs() -> list[triton.Config]:
+    """Tiles for channel-first x: long along L, the contiguous axis."""
     c = triton.Config
     return [
         c({"BLOCK_D": 16, "BLOCK_L": 128}, num_warps=4, num_stages=1),
@@ -366,6 +368,24 @@ def _tile_configs() -> list[triton.Config]:
     ]
 
 
+def _tile_channel_last_configs(vec: int) -> list[triton.Config]:
+    """Tiles for channel-last x: wide along D, the contiguous axis (vec elements = 16 bytes per load), and every
+    row of the tile in flight at once, where the row walk keeps SUB_L rows in flight per thread."""
+    c = triton.Config
+    return [
+        c({"BLOCK_D": vec * 16, "BLOCK_L": 32}, num_warps=4, num_stages=1),
+        c({"BLOCK_D": vec * 32, "BLOCK_L": 16}, num_warps=4, num_stages=1),
+        c({"BLOCK_D": vec * 32, "BLOCK_L": 32}, num_warps=8, num_stages=1),
+        c({"BLOCK_D": vec * 16, "BLOCK_L": 64}, num_warps=8, num_stages=1),
+        c({"BLOCK_D": vec * 8, "BLOCK_L": 64}, num_warps=4, num_stages=1),
+        c({"BLOCK_D": vec * 64, "BLOCK_L": 8}, num_warps=4, num_stages=1),
+    ]
+
+
+# None: the kernel by layout (rows for channel-last x, tile otherwise); "rows" or "tile" forces one, whatever the
+# layout (tests run both on both layouts; bench/kernels_conv.py times the tile kernel on channel-last x beside rows).
+FORWARD_KERNEL: str | None = None
+
 # Small blocks under the interpreter, so that CPU tests cross program boundaries with small shapes.
 _INTERPRET_ROW_META = {"BLOCK_D": 16, "SUB_L": 4, "N_SUB": 2}
 _INTERPRET_TILE_META = {"BLOCK_D": 8, "BLOCK_L": 16}
@@ -374,11 +394,14 @@ _tuned: dict[tuple[str, int], triton.runtime.Autotuner] = {}
 
 
 def _tuned_kernel(kind: str, elem_size: int):
-    """The autotuned kernel for a layout and element size (configs are built per element size)."""
+    """The autotuned kernel of `kind` ("rows", "tile" or "tile-cl": the tile kernel on channel-last x) for an
+    element size (configs are built per element size)."""
     key = (kind, elem_size)
     if key not in _tuned:
         if kind == "rows":
             fn, configs = causal_conv1d_fwd_kernel, _row_configs(16 // elem_size)
+        elif kind == "tile-cl":
+            fn, configs = causal_conv1d_fwd_tile_kernel, _tile_channel_last_configs(16 // elem_size)
         else:
             fn, configs = causal_conv1d_fwd_tile_kernel, _tile_configs()
         _tuned[key] = triton.autotune(
@@ -448,7 +471,9 @@ def causal_conv1d_fwd(
         HAS_H0=initial_states is not None,
         HAS_HT=final_states is not None,
     )
-    kind = "rows" if channel_last else "tile"
+    kind = FORWARD_KERNEL or ("rows" if channel_last else "tile")
+    if kind not in ("rows", "tile"):
+        raise ValueError(f"FORWARD_KERNEL = {kind!r}: must be None, 'rows' or 'tile'")
     if kind == "rows":
         grid = lambda meta: (
             triton.cdiv(seqlen, meta["SUB_L"] * meta["N_SUB"]),
@@ -463,5 +488,6 @@ def causal_conv1d_fwd(
         kernel[grid(meta)](*args, **flags, **meta)
     else:
         with torch.cuda.device(x.device):
-            _tuned_kernel(kind, x.element_size())[grid](*args, **flags)
+            tuned = "tile-cl" if kind == "tile" and channel_last else kind
+            _tuned_kernel(tuned, x.element_size())[grid](*args, **flags)
     return y
