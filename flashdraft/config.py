@@ -139,11 +139,15 @@ class TrainConfig:
     """Seed of initialisation, data order and anchors."""
     attention: str = "auto"
     """The drafter's attention in training: flex (compiled FlexAttention with a block-sparse mask, CUDA only) | sdpa
-    (a dense boolean mask) | auto (sdpa until flex passes its varying-shape GPU test). Same mask, same result up to
+    (a dense boolean mask) | auto (sdpa until flex passes its ragged-batch GPU test). Same mask, same result up to
     rounding."""
     compile: bool | str = "auto"
     """torch.compile the drafter's layers: true | false | auto (off, as for attention). The first step compiles (about
-    a minute); a new sequence length recompiles once, then shapes are dynamic."""
+    a minute)."""
+    static_shapes: bool | str = "auto"
+    """Pad every micro-batch to data.max_length positions and recipe.num_anchors blocks (padding is masked out: the
+    same loss and gradients), so the compiled layers see one shape and compile once, with no dynamic shapes (a
+    compiled run whose shapes changed stopped at step 2 on the H200). true | false | auto (on when compiled)."""
     device: str = "auto"
     """auto | cpu | cuda."""
     on_nonfinite: str = "stop"
@@ -205,6 +209,8 @@ class RunConfig:
             ("train.device", self.train.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
             ("train.on_nonfinite", self.train.on_nonfinite in ("stop", "skip"), "must be stop or skip"),
             ("train.attention", self.train.attention in ("auto", "flex", "sdpa"), "must be auto, flex or sdpa"),
+            ("train.static_shapes", isinstance(self.train.static_shapes, bool) or self.train.static_shapes == "auto",
+             "must be auto, true or false"),
             ("train.compile", isinstance(self.train.compile, bool) or self.train.compile == "auto",
              "must be auto, true or false"),
             ("target.dtype", self.target.dtype in ("auto", "bfloat16", "float16", "float32"),

@@ -127,13 +127,21 @@ class DraftBatch:
         return DraftBatch(**moved, block_size=self.block_size)
 
 
-def pad_anchors(anchors: Sequence[torch.Tensor] | torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
-    """Per-sequence anchor lists → (B, A) with PAD_ANCHOR after each list; A >= 1 so shapes never degenerate."""
+def pad_anchors(
+    anchors: Sequence[torch.Tensor] | torch.Tensor, device: torch.device | None = None, width: int | None = None
+) -> torch.Tensor:
+    """Per-sequence anchor lists → (B, A) with PAD_ANCHOR after each list; A >= 1 so shapes never degenerate.
+    `width` fixes A (static shapes); by default it is the longest list."""
     if isinstance(anchors, torch.Tensor):
         if anchors.ndim != 2:
             raise ValueError(f"anchors must be (B, A) or a list of (A_b,) tensors, got shape {tuple(anchors.shape)}")
+        anchors = [row[row != PAD_ANCHOR] for row in anchors] if width is not None else anchors
+    if isinstance(anchors, torch.Tensor):
         return anchors.long() if device is None else anchors.long().to(device)
-    width = max([1, *(a.numel() for a in anchors)])
+    longest = max([1, *(a.numel() for a in anchors)])
+    if width is not None and width < longest:
+        raise ValueError(f"a sequence has {longest} anchors, more than the {width} blocks asked for")
+    width = longest if width is None else width
     out = torch.full((len(anchors), width), PAD_ANCHOR, dtype=torch.long, device=device)
     for row, a in enumerate(anchors):
         out[row, : a.numel()] = a.to(out.device)
@@ -147,11 +155,13 @@ def build_blocks(
     block_size: int,
     mask_token_id: int,
     gamma: float | None = None,
+    num_blocks: int | None = None,
 ) -> DraftBatch:
     """Pack one block per anchor (see `DraftBatch`); `gamma` defaults to `gamma_for(block_size)`.
 
     `input_ids`/`loss_mask` are (B, T), right-padded (padding has loss_mask 0). `anchors` is a list of per-sequence
-    (A_b,) tensors (e.g. from `sample_anchors`) or a (B, A) tensor padded with PAD_ANCHOR.
+    (A_b,) tensors (e.g. from `sample_anchors`) or a (B, A) tensor padded with PAD_ANCHOR. `num_blocks` pads every
+    sequence to that many blocks (static shapes); by default, to the most anchors of any sequence.
     """
     if input_ids.shape != loss_mask.shape or input_ids.ndim != 2:
         raise ValueError(
@@ -159,7 +169,7 @@ def build_blocks(
         )
     device = input_ids.device
     batch, length = input_ids.shape
-    anchors = pad_anchors(anchors, device)
+    anchors = pad_anchors(anchors, device, num_blocks)
     if anchors.shape[0] != batch:
         raise ValueError(f"anchors are given for {anchors.shape[0]} sequences, input_ids has {batch}")
     valid = anchors >= 0

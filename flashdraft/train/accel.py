@@ -2,7 +2,7 @@
 
     kind = attention_kind(cfg.train.attention, device)        # "flex" (CUDA) or "sdpa"; auto: sdpa for now
     mask = drafter_mask(batch, drafter.config, kind)           # a BlockMask, or the dense boolean mask
-    compile_layers(drafter, cfg.train.compile, device)         # torch.compile each decoder layer in place
+    compile_drafter(drafter, cfg.train, device)                # torch.compile each decoder layer in place
 
 Both paths apply the one predicate of `recipe._visible`. FlexAttention skips the masked-out blocks (a block sees
 only the context before its anchor: ~15% of the dense scores at 512 anchors over 3072 tokens) and reads K/V once
@@ -25,7 +25,7 @@ def attention_kind(setting: str, device: torch.device) -> str:
     if setting == "auto":
         # Compiled FlexAttention is fast at fixed shapes (P4 met), but a tiny-target run on the H200 whose lengths
         # change every step stopped at step 2 ("shape '[2522, 64]' is invalid for input of size 2048"). Until
-        # tests/drafter/test_flex.py's varying-shape GPU test passes, auto keeps the dense-mask SDPA path.
+        # the static-shape path (train.static_shapes) passes test_loop.py's ragged-batch GPU test, auto keeps SDPA.
         return "sdpa"
     if setting == "flex" and device.type != "cuda":
         raise ValueError(f"train.attention = flex needs a CUDA device (training on {device.type}): FlexAttention has "
@@ -57,23 +57,48 @@ def compile_enabled(setting: bool | str, device: torch.device) -> bool:
     """`train.compile` resolved for `device`: auto does not compile yet (see above); a CPU compile needs a C++
     toolchain and costs more than it saves at CPU sizes."""
     if setting == "auto":
-        return False  # as for attention: on by default once the varying-shape GPU test passes
+        return False  # as for attention: on by default once the ragged-batch GPU test passes
     if not isinstance(setting, bool):
         raise ValueError(f"train.compile = {setting!r}: must be auto, true or false")
     return setting
 
 
-def compile_layers(drafter, setting: bool | str, device: torch.device) -> bool:
+def static_shapes(setting: bool | str, compile_setting: bool | str, device: torch.device) -> bool:
+    """`train.static_shapes` resolved: auto follows `train.compile`."""
+    if setting == "auto":
+        return compile_enabled(compile_setting, device)
+    if not isinstance(setting, bool):
+        raise ValueError(f"train.static_shapes = {setting!r}: must be auto, true or false")
+    return setting
+
+
+def compile_layers(drafter, setting: bool | str, device: torch.device, *, dynamic: bool | None = None) -> bool:
     """torch.compile each decoder layer in place (`Module.compile`: parameter names and checkpoints unchanged).
 
     The layers share one code path, so one graph serves all of them; it fuses the RMSNorms, RoPE, SwiGLU and the
-    autocast casts around the matmuls, and traces FlexAttention into its fused kernels. Returns whether it did.
+    autocast casts around the matmuls, and traces FlexAttention into its fused kernels. `dynamic=False` (static
+    shapes) compiles each new shape on its own instead of one dynamic-shape graph. Returns whether it compiled.
     """
     if not compile_enabled(setting, device):
         return False
     for layer in drafter.layers:
-        layer.compile()
+        layer.compile(dynamic=dynamic)
     return True
 
 
-__all__ = ["ATTENTION", "attention_kind", "compile_enabled", "compile_layers", "drafter_mask", "mask_rule"]
+def compile_drafter(drafter, train, device: torch.device) -> bool:
+    """`compile_layers` as `train` (the config's train section) asks: static shapes compile with dynamic=False."""
+    static = static_shapes(train.static_shapes, train.compile, device)
+    return compile_layers(drafter, train.compile, device, dynamic=False if static else None)
+
+
+__all__ = [
+    "ATTENTION",
+    "attention_kind",
+    "compile_drafter",
+    "compile_enabled",
+    "compile_layers",
+    "drafter_mask",
+    "mask_rule",
+    "static_shapes",
+]

@@ -105,13 +105,13 @@ def bench_setup(cfg, target, *, tokenizer=None, steps: int = 8):
     """A training `Setup` around a loaded `FrozenTarget`: the drafter as the trainer builds it (on the target's
     device, layers compiled per `train.compile`) and `steps` steps of synthetic data of `data.max_length` tokens."""
     from flashdraft.train import loop
-    from flashdraft.train.accel import compile_layers
+    from flashdraft.train.accel import compile_drafter
 
     device = target.device
     target.cudnn_attention = cfg.target.cudnn_attention
     with torch.device(device):  # initialised in place: no CPU copy of a multi-GB drafter
         drafter = loop._drafter(cfg, target, tokenizer)
-    compile_layers(drafter, cfg.train.compile, device)
+    compile_drafter(drafter, cfg.train, device)
     per_step = cfg.train.batch_size * cfg.train.grad_accum
     data = SyntheticSequences(steps * per_step, cfg.data.max_length, target.lm_head_weight.shape[0], cfg.train.seed)
     return loop.Setup(device, tokenizer, target, drafter, data, steps, steps)

@@ -29,7 +29,7 @@ from flashdraft.drafter.recipe import (
     sample_anchors,
 )
 from flashdraft.train import distributed
-from flashdraft.train.accel import attention_kind, compile_layers, drafter_mask
+from flashdraft.train.accel import attention_kind, compile_drafter, drafter_mask, static_shapes
 from flashdraft.train.checkpoint import CheckpointManager
 from flashdraft.train.metrics import MetricsLogger, plot_training_curve
 from flashdraft.train.optim import build_optimizer, build_scheduler
@@ -148,10 +148,15 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
     """
     mark = mark or _no_mark
     attention = attention_kind(cfg.train.attention, s.device)
+    # Static shapes: the drafter sees data.max_length positions and recipe.num_anchors blocks in every micro-batch
+    # (the target still runs on the real width; its features are padded after).
+    width = cfg.data.max_length if static_shapes(cfg.train.static_shapes, cfg.train.compile, s.device) else None
     indices = step_indices(s, cfg, step)
     micro = [_collate(s.data, idx, s.device) for idx in indices]
     epoch = step // s.steps_per_epoch
-    batches = [_blocks(s, cfg, ids, mask, idx, epoch) for (ids, mask, _), idx in zip(micro, indices, strict=True)]
+    batches = [
+        _blocks(s, cfg, ids, mask, idx, epoch, width) for (ids, mask, _), idx in zip(micro, indices, strict=True)
+    ]
     # Over the whole global step (every micro-batch of every rank): each token weighs the same whatever the split.
     denominator = distributed.all_sum(sum(b.weights.sum() for b in batches)).clamp(min=1e-6)
     # Counted before the GPU work is queued: a host sync later would stall the queue between micro-batches.
@@ -159,6 +164,8 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
     total = None
     for (ids, _, attn), batch, idx in zip(micro, batches, indices, strict=True):
         features = s.target.capture(ids, attn) if s.features is None else s.features.batch(idx, ids.shape[1])
+        if width is not None:
+            features = pad_positions(features, width)
         mark("target")
         with _autocast(s.device):
             hidden = s.drafter(
@@ -225,7 +232,16 @@ def _collate(data, indices: list[int], device: torch.device):
     return ids.to(device), mask.to(device), attn.to(device)
 
 
-def _blocks(s: Setup, cfg: RunConfig, ids, mask, indices: list[int], epoch: int):
+def pad_positions(t: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, T, ...) right-padded with zeros to (B, width, ...): a static shape for the compiled drafter."""
+    if t.shape[1] > width:
+        raise ValueError(f"a micro-batch of {t.shape[1]} positions is longer than data.max_length = {width}: prepare "
+                         "the data with this max_length, or set train.static_shapes=false")  # fmt: skip
+    pad = [0, 0] * (t.ndim - 2) + [0, width - t.shape[1]]
+    return torch.nn.functional.pad(t, pad)
+
+
+def _blocks(s: Setup, cfg: RunConfig, ids, mask, indices: list[int], epoch: int, width: int | None = None):
     anchors = [
         sample_anchors(
             mask[row].cpu(),
@@ -235,7 +251,11 @@ def _blocks(s: Setup, cfg: RunConfig, ids, mask, indices: list[int], epoch: int)
         )  # fmt: skip
         for row, index in enumerate(indices)
     ]
-    return build_blocks(ids, mask, anchors, s.drafter.block_size, s.drafter.mask_token_id, cfg.recipe.gamma)
+    num_blocks = None
+    if width is not None:
+        ids, mask, num_blocks = pad_positions(ids, width), pad_positions(mask, width), cfg.recipe.num_anchors
+    return build_blocks(ids, mask, anchors, s.drafter.block_size, s.drafter.mask_token_id, cfg.recipe.gamma,
+                        num_blocks)  # fmt: skip
 
 
 def _autocast(device: torch.device):
@@ -298,7 +318,7 @@ def setup(cfg: RunConfig, out: Path, console) -> Setup:
     device, tokenizer, target, data, features = load_inputs(cfg, out, console)
     target.cudnn_attention = cfg.target.cudnn_attention
     drafter = _drafter(cfg, target, tokenizer).to(device)
-    compile_layers(drafter, cfg.train.compile, device)  # per layer, before sharding (as torchtitan orders them)
+    compile_drafter(drafter, cfg.train, device)  # per layer, before sharding (as torchtitan orders them)
     drafter = distributed.parallelize_drafter(drafter, device)
     # The global step: every rank takes batch_size x grad_accum of its sequences (distributed.py).
     per_step = cfg.train.batch_size * cfg.train.grad_accum * distributed.world().size

@@ -128,30 +128,3 @@ def test_flex_forward_and_gradients_equal_sdpa_on_gpu(sliding):
     flex_err, sdpa_err = _max_err(grads, ref_grads), _max_err(sdpa_grads, ref_grads)
     assert flex_err < 2 * sdpa_err + 1e-3, (flex_err, sdpa_err)
     assert (out - ref_out).abs().max() < 2 * (sdpa_out - ref_out).abs().max() + 1e-3
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_compiled_flex_training_over_varying_shapes_on_gpu():
-    """What `train.compile=true train.attention=flex` does in a real run: compiled layers and a compiled block mask
-    see a new context length and block count every step (dynamo recompiles with dynamic shapes from the second).
-    Each step's output and gradients must still match float64. On the H200 (2026-12-03) a tiny-target training run
-    configured so stopped at its second step: "shape '[2522, 64]' is invalid for input of size 2048"."""
-    import copy
-
-    from flashdraft.train.accel import compile_layers
-
-    torch._dynamo.reset()
-    model = drafter().train().cuda()
-    reference = copy.deepcopy(model)
-    assert compile_layers(model, True, torch.device("cuda"))
-    (rule,) = {tuple(sorted(r.items())) for r in layer_mask_rules(model.config)}
-    for length, anchors in ((301, (24, 9)), (257, (20, 31)), (389, (30, 2, 17))):
-        batch, ctx, noise = packed_batch(length=length, anchors=anchors)
-        batch, ctx, noise = batch.to("cuda"), ctx.cuda(), noise.cuda()
-        dense = dense_block_mask(batch, **dict(rule))
-        block = flex_block_mask(batch, **dict(rule), compile=True)
-        ref_out, ref_grads = _grads(reference, batch, ctx, noise, dense, torch.float64)
-        out, grads = _grads(model, batch, ctx, noise, block, torch.float32)
-        torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
-        assert _max_err(grads, ref_grads) < 1e-4, (length, _max_err(grads, ref_grads))

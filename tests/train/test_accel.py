@@ -8,7 +8,14 @@ from flashdraft.config import ConfigError, load_config
 from flashdraft.drafter import DFlashDraftModel
 from flashdraft.drafter.recipe import build_blocks, dense_block_mask
 from flashdraft.tiny_configs import tiny_config
-from flashdraft.train.accel import attention_kind, compile_enabled, compile_layers, drafter_mask, mask_rule
+from flashdraft.train.accel import (
+    attention_kind,
+    compile_enabled,
+    compile_layers,
+    drafter_mask,
+    mask_rule,
+    static_shapes,
+)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -27,6 +34,15 @@ def test_compile_setting_per_device():
     assert compile_enabled(True, CPU) and not compile_enabled(False, CUDA)
     with pytest.raises(ValueError, match="train.compile"):
         compile_enabled("yes please", CPU)
+
+
+def test_static_shapes_follow_compile_unless_set():
+    assert static_shapes("auto", True, CPU) and not static_shapes("auto", "auto", CUDA)
+    assert static_shapes(True, False, CPU) and not static_shapes(False, True, CUDA)
+    with pytest.raises(ValueError, match="train.static_shapes"):
+        static_shapes("always", True, CPU)
+    with pytest.raises(ConfigError, match="train.static_shapes"):
+        load_config(None, ["train.static_shapes=sometimes"])
 
 
 def test_config_fields_validate():

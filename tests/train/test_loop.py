@@ -192,3 +192,84 @@ def test_cli_bad_input_exit_2(tmp_path, args, message):
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert out.returncode == 2, out.stderr[-2000:]
     assert message in out.stderr and "Traceback" not in out.stderr
+
+
+class _Ragged:
+    """Sequences of different lengths, each with a 5-token prompt (no loss): the `TokenizedDataset` reads."""
+
+    def __init__(self, lengths, vocab):
+        gen = torch.Generator().manual_seed(3)
+        self.rows = [torch.randint(0, vocab, (n,), generator=gen).numpy() for n in lengths]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        mask = torch.ones(len(self.rows[i]), dtype=torch.uint8)
+        mask[:5] = 0
+        return self.rows[i], mask.numpy()
+
+    def epoch_order(self, epoch, seed, *args, **kwargs):
+        return list(range(len(self.rows)))
+
+
+def test_static_shapes_pad_without_changing_loss_or_gradients():
+    """train.static_shapes pads each micro-batch to data.max_length positions and recipe.num_anchors blocks: the
+    drafter sees that one shape, and the step's loss and gradients are those of the unpadded batch."""
+    from flashdraft.train import bench
+
+    overrides = ["data.max_length=40", "recipe.num_anchors=6", "train.batch_size=2", "train.grad_accum=2"]
+    cfg = {static: load_config(embedded.ASSETS / "train.yaml", [*overrides, f"train.static_shapes={static}"])
+           for static in ("false", "true")}  # fmt: skip
+    target, tokenizer = bench.load_bench_target(cfg["false"])
+    s = bench.bench_setup(cfg["false"], target, tokenizer=tokenizer, steps=2)
+    s.data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
+    shapes = []
+    s.drafter.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["position_ids"].shape)),
+                                        with_kwargs=True)  # fmt: skip
+
+    class Keep:  # stands in for the optimizer: keeps the step's gradients instead of applying them
+        def step(self):
+            self.grads = {n: p.grad.clone() for n, p in s.drafter.named_parameters()}
+
+        def zero_grad(self, set_to_none=True):
+            s.drafter.zero_grad(set_to_none=set_to_none)
+
+    runs = {}
+    for static, run_cfg in cfg.items():
+        shapes.clear()
+        keep = Keep()
+        stats, tokens, finite = loop.train_step(s, run_cfg, keep, 0)
+        assert finite
+        runs[static] = (stats, tokens, keep.grads, list(shapes))
+    (plain, tokens, grads, plain_shapes), (padded, padded_tokens, padded_grads, padded_shapes) = runs.values()
+    block = s.drafter.block_size
+    assert padded_shapes == [(2, 40 + 6 * block)] * 2 and all(shape != (2, 40 + 6 * block) for shape in plain_shapes)
+    assert tokens == padded_tokens == 23 + 31 + 17 + 29  # the padding is not counted as sequence tokens
+    torch.testing.assert_close(padded.loss_sum, plain.loss_sum, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(padded_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_flex_steps_over_ragged_batches_on_gpu():
+    """What stopped a compiled FlexAttention run on the H200 at its second step: the batch shape changed. Under
+    train.compile the shapes are static (train.static_shapes=auto), and each step's loss is the eager SDPA loss of
+    the unpadded batch, up to bf16 rounding."""
+    from flashdraft.train import bench
+
+    base = ["data.max_length=40", "recipe.num_anchors=6", "train.batch_size=2", "train.grad_accum=1"]
+    eager = load_config(embedded.ASSETS / "train.yaml", [*base, "train.attention=sdpa", "train.compile=false"])
+    fast = load_config(embedded.ASSETS / "train.yaml", [*base, "train.attention=flex", "train.compile=true"])
+    target, tokenizer = bench.load_bench_target(eager)
+    losses = {}
+    for name, cfg in (("eager", eager), ("fast", fast)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
+        s.data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
+        optimizer = torch.optim.SGD(s.drafter.parameters(), lr=0.0)  # the same weights for both steps
+        losses[name] = [float(loop.train_step(s, cfg, optimizer, step)[0].loss_sum) for step in (0, 1)]
+    torch.testing.assert_close(losses["fast"], losses["eager"], rtol=2e-2, atol=1e-3)
+
