@@ -282,13 +282,13 @@ def use_engine(target: torch.nn.Module, engine: bool | None) -> bool:
     """Whether to decode with `flashdraft.spec.engine`: None (auto) = on a CUDA target the engine supports (its
     CUDA-graph path passed the whole GPU suite and bench/spec_engine.py's goals on the H200, 2026-12-03); True =
     always (a ValueError says why it cannot); False = never (this module's plain loop)."""
-    if engine is False:
+    if engine is False or (engine is None and next(target.parameters()).device.type != "cuda"):
         return False
     from flashdraft.spec.engine.loop import engine_available
 
     reason = engine_available(target)
     if engine is None:
-        return reason is None and next(target.parameters()).device.type == "cuda"
+        return reason is None
     if reason is not None:
         raise ValueError(f"engine=True, but the engine cannot run this target: {reason}")
     return True
