@@ -61,7 +61,8 @@ def build(out: Path, tokenizer_dir: Path, prompts_per_file: int, heldout_prompts
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     eos = tok.token_to_id("<|endoftext|>")
     root = Path(sysconfig.get_paths()["stdlib"])
-    rng = random.Random(seed)
+    # One stream per split, so the held-out prompts (the evaluation set) stay the same whatever --prompts-per-file is.
+    drafter_rng, held_rng = random.Random(f"{seed}/drafter"), random.Random(f"{seed}/heldout")
     out.mkdir(parents=True, exist_ok=True)
     split = {"train": [], "heldout": []}
     tokens = {"train": [], "heldout": []}
@@ -75,12 +76,13 @@ def build(out: Path, tokenizer_dir: Path, prompts_per_file: int, heldout_prompts
         split[name].append(relative)
         tokens[name].extend(tok.encode(text).ids + [eos])
         if name == "train":
-            drafter += [{"prompt": w, "source": relative} for w in code_windows(text, rng, prompts_per_file, prompt_chars)]
+            drafter += [{"prompt": w, "source": relative}
+                        for w in code_windows(text, drafter_rng, prompts_per_file, prompt_chars)]  # fmt: skip
         else:
             held += [{"prompt": w, "category": "stdlib-heldout", "source": relative}
-                     for w in code_windows(text, rng, 2, prompt_chars)]  # fmt: skip
-    rng.shuffle(drafter)
-    rng.shuffle(held)
+                     for w in code_windows(text, held_rng, 2, prompt_chars)]  # fmt: skip
+    drafter_rng.shuffle(drafter)
+    held_rng.shuffle(held)
     for name, ids in tokens.items():
         np.asarray(ids, dtype=np.uint16).tofile(out / f"{name}.u16")
     with open(out / "drafter_prompts.jsonl", "w") as fh:

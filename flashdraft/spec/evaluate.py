@@ -185,6 +185,7 @@ def evaluate(
         raise ValueError("evaluate needs at least one prompt")
     block_size = int(drafter.block_size if block_size is None else block_size)
     device = next(target.parameters()).device
+    engine = use_engine(target, engine, drafter)  # decided once: every method decodes on the same path
 
     def decode(method: str, prompt: Prompt, max_new: int, seed: int) -> GenerationResult:
         gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
@@ -195,7 +196,7 @@ def evaluate(
             return autoregressive_generate(target, prompt.input_ids, max_new, **common)
         return prompt_lookup_generate(target, prompt.input_ids, max_new, block_size=block_size, **common)
 
-    if use_engine(target, engine):
+    if engine:
         # Caches sized for the longest prompt and graphs captured once, outside the timed runs.
         from flashdraft.spec.engine.loop import prepare
 

@@ -278,15 +278,23 @@ def speculative_decode(
     return result
 
 
-def use_engine(target: torch.nn.Module, engine: bool | None) -> bool:
+def use_engine(target: torch.nn.Module, engine: bool | None, drafter: torch.nn.Module | None = None) -> bool:
     """Whether to decode with `flashdraft.spec.engine`: None (auto) = on a CUDA target the engine supports (its
     CUDA-graph path passed the whole GPU suite and bench/spec_engine.py's goals on the H200, 2026-12-03); True =
-    always (a ValueError says why it cannot); False = never (this module's plain loop)."""
+    always (a ValueError says why it cannot); False = never (this module's plain loop).
+
+    The engine computes in the models' own dtypes (static caches, no autocast), so a `drafter` whose dtype is not
+    the target's (float32 master weights beside a bf16 target, during training) takes the plain loop."""
     if engine is False or (engine is None and next(target.parameters()).device.type != "cuda"):
         return False
     from flashdraft.spec.engine.loop import engine_available
 
     reason = engine_available(target)
+    if reason is None and drafter is not None:
+        target_dtype, drafter_dtype = next(target.parameters()).dtype, next(drafter.parameters()).dtype
+        if drafter_dtype != target_dtype:
+            reason = (f"the drafter is {drafter_dtype} and the target {target_dtype} (cast the drafter to the "
+                      f"target's dtype)")  # fmt: skip
     if engine is None:
         return reason is None
     if reason is not None:
@@ -321,7 +329,7 @@ def generate(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     common = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
                   generator=generator)  # fmt: skip
-    if use_engine(target, engine):
+    if use_engine(target, engine, drafter if block_size > 1 else None):
         from flashdraft.spec.engine.loop import engine_decode
 
         drafter = drafter if block_size > 1 else None

@@ -11,6 +11,7 @@ flashdraft/train/distributed.py; the loop calls it in a few places and is otherw
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -467,8 +468,8 @@ def measure_tau(cfg: RunConfig, s: Setup, json_out: Path | None = None, drafter=
     if prompts_path is None:
         return None
     from flashdraft import fastpath
-    from flashdraft.spec import generate
     from flashdraft.spec.evaluate import load_prompts
+    from flashdraft.spec.generate import generate, use_engine
 
     if s.full_target is None:
         if cfg.target.path == embedded.EMBEDDED:
@@ -482,11 +483,21 @@ def measure_tau(cfg: RunConfig, s: Setup, json_out: Path | None = None, drafter=
         s.full_target = full.eval()
     full = s.full_target
     drafter = (drafter or s.drafter).eval()
+    decoder, precision = drafter, _autocast(s.device)
+    target_dtype = next(full.parameters()).dtype
+    if use_engine(full, None) and next(drafter.parameters()).dtype != target_dtype:
+        # The engine runs each model in its own dtype, without autocast: decode with a copy of the float32 master
+        # weights in the target's dtype. Built from the config, not deep-copied: compiled layers would go on calling
+        # the modules they were compiled from.
+        with torch.device(s.device):
+            decoder = DFlashDraftModel(drafter.config).to(target_dtype).eval()
+        decoder.load_state_dict(drafter.state_dict())
+        precision = contextlib.nullcontext()
     taus = []
     for prompt in load_prompts(prompts_path, s.tokenizer, cfg.data.eval_limit):
         # Decoding runs the (train.compile) compiled layers eagerly: its cache and shapes change every round.
-        with torch.no_grad(), _autocast(s.device), torch.compiler.set_stance("force_eager"):
-            result = generate(full, drafter, prompt.input_ids.to(s.device), cfg.data.eval_max_new_tokens)
+        with torch.no_grad(), precision, torch.compiler.set_stance("force_eager"):
+            result = generate(full, decoder, prompt.input_ids.to(s.device), cfg.data.eval_max_new_tokens)
         taus.append(result.tau)
     drafter.train()
     tau = sum(taus) / len(taus)

@@ -197,3 +197,14 @@ def test_engine_choice():
         use_engine(moe, True)
     if torch.cuda.is_available():
         assert use_engine(build_tiny_target("qwen3_5", device="cuda"), None) is True
+    # The engine runs each model in its own dtype: a float32 drafter (training's master weights) beside a bf16
+    # target takes the plain loop under auto, and on names both dtypes.
+    bf16 = build_tiny_target("qwen3_5").to(torch.bfloat16)
+    drafter = random_drafter(bf16, block_size=4).float()
+    with pytest.raises(ValueError, match="drafter is torch.float32 and the target torch.bfloat16"):
+        use_engine(bf16, True, drafter)
+    assert use_engine(bf16, True, drafter.to(torch.bfloat16)) is True
+    if torch.cuda.is_available():
+        cuda = bf16.to("cuda")
+        assert use_engine(cuda, None, drafter.float().to("cuda")) is False
+        assert use_engine(cuda, None, drafter.to(torch.bfloat16)) is True
