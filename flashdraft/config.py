@@ -139,11 +139,10 @@ class TrainConfig:
     """Seed of initialisation, data order and anchors."""
     attention: str = "auto"
     """The drafter's attention in training: flex (compiled FlexAttention with a block-sparse mask, CUDA only) | sdpa
-    (a dense boolean mask) | auto (sdpa until flex passes its ragged-batch GPU test). Same mask, same result up to
-    rounding."""
+    (a dense boolean mask) | auto (flex on CUDA, sdpa on the CPU). Same mask, same result up to rounding."""
     compile: bool | str = "auto"
-    """torch.compile the drafter's layers: true | false | auto (off, as for attention). The first step compiles (about
-    a minute)."""
+    """torch.compile the drafter's layers: true | false | auto (on CUDA, off on the CPU). The first step compiles
+    (about a minute)."""
     static_shapes: bool | str = "auto"
     """Pad every micro-batch to data.max_length positions and recipe.num_anchors blocks (padding is masked out: the
     same loss and gradients), so the compiled layers see one shape and compile once, with no dynamic shapes (a

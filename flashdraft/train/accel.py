@@ -1,6 +1,6 @@
 """How the drafter runs in a training step: its attention path and whether its layers are compiled.
 
-    kind = attention_kind(cfg.train.attention, device)        # "flex" (CUDA) or "sdpa"; auto: sdpa for now
+    kind = attention_kind(cfg.train.attention, device)        # "flex" or "sdpa"; auto: flex on CUDA, sdpa elsewhere
     mask = drafter_mask(batch, drafter.config, kind)           # a BlockMask, or the dense boolean mask
     compile_drafter(drafter, cfg.train, device)                # torch.compile each decoder layer in place
 
@@ -23,10 +23,9 @@ def attention_kind(setting: str, device: torch.device) -> str:
     if setting not in ATTENTION:
         raise ValueError(f"train.attention = {setting!r}: must be one of {', '.join(ATTENTION)}")
     if setting == "auto":
-        # Compiled FlexAttention is fast at fixed shapes (P4 met), but a tiny-target run on the H200 whose lengths
-        # change every step stopped at step 2 ("shape '[2522, 64]' is invalid for input of size 2048"). Until
-        # the static-shape path (train.static_shapes) passes test_loop.py's ragged-batch GPU test, auto keeps SDPA.
-        return "sdpa"
+        # Compiled FlexAttention at static shapes (train.static_shapes): P4 met, and on the H200 (2026-12-03) the
+        # ragged-batch GPU test passed and a real tiny-target run matched the SDPA run's losses step for step.
+        return "flex" if device.type == "cuda" else "sdpa"
     if setting == "flex" and device.type != "cuda":
         raise ValueError(f"train.attention = flex needs a CUDA device (training on {device.type}): FlexAttention has "
                          "no backward on the CPU; use auto or sdpa")  # fmt: skip
@@ -54,10 +53,10 @@ def drafter_mask(batch: DraftBatch, config, kind: str):
 
 
 def compile_enabled(setting: bool | str, device: torch.device) -> bool:
-    """`train.compile` resolved for `device`: auto does not compile yet (see above); a CPU compile needs a C++
+    """`train.compile` resolved for `device`: auto compiles on CUDA (with flex, see above); a CPU compile needs a C++
     toolchain and costs more than it saves at CPU sizes."""
     if setting == "auto":
-        return False  # as for attention: on by default once the ragged-batch GPU test passes
+        return device.type == "cuda"
     if not isinstance(setting, bool):
         raise ValueError(f"train.compile = {setting!r}: must be auto, true or false")
     return setting

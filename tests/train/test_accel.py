@@ -21,7 +21,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 def test_attention_kind_per_device():
-    assert attention_kind("auto", CPU) == "sdpa" and attention_kind("auto", CUDA) == "sdpa"  # flex: opt-in for now
+    assert attention_kind("auto", CPU) == "sdpa" and attention_kind("auto", CUDA) == "flex"
     assert attention_kind("sdpa", CUDA) == "sdpa" and attention_kind("flex", CUDA) == "flex"
     with pytest.raises(ValueError, match="train.attention = flex needs a CUDA device"):
         attention_kind("flex", CPU)
@@ -30,14 +30,15 @@ def test_attention_kind_per_device():
 
 
 def test_compile_setting_per_device():
-    assert not compile_enabled("auto", CUDA) and not compile_enabled("auto", CPU)  # opt-in until verified on a GPU
+    assert compile_enabled("auto", CUDA) and not compile_enabled("auto", CPU)
     assert compile_enabled(True, CPU) and not compile_enabled(False, CUDA)
     with pytest.raises(ValueError, match="train.compile"):
         compile_enabled("yes please", CPU)
 
 
 def test_static_shapes_follow_compile_unless_set():
-    assert static_shapes("auto", True, CPU) and not static_shapes("auto", "auto", CUDA)
+    assert static_shapes("auto", True, CPU) and static_shapes("auto", "auto", CUDA)
+    assert not static_shapes("auto", "auto", CPU) and not static_shapes("auto", False, CUDA)
     assert static_shapes(True, False, CPU) and not static_shapes(False, True, CUDA)
     with pytest.raises(ValueError, match="train.static_shapes"):
         static_shapes("always", True, CPU)
