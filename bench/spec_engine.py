@@ -162,34 +162,14 @@ def engine_numbers(target, drafter, ids: torch.Tensor, graphs: bool, iters: int)
     return out
 
 
-# Kernel families, by substrings of their names (first match wins), for the decode-vs-verify comparison.
-KERNEL_FAMILIES = (
-    ("GEMM", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "splitk", "sm90_", "cublas")),
-    ("delta rule (fla)", ("gated_delta", "fused_recurrent", "chunk_")),
-    ("conv (flashdraft)", ("causal_conv",)),
-    ("norms", ("rms", "layer_norm", "norm_fwd", "layernorm")),
-    ("softmax", ("softmax",)),
-    ("copies / index", ("copy", "index", "cat", "gather", "scatter")),
-)
-
-
-def kernel_family(name: str) -> str:
-    low = name.lower()
-    return next((family for family, keys in KERNEL_FAMILIES if any(k in low for k in keys)), "other elementwise")
-
-
 @torch.inference_mode()
 def kernel_profile(engine, runner) -> dict:
     """GPU time by kernel of one eager decode step, verify 16, draft and commit (a graph replays the same
     kernels; eager keeps the profiler's view per kernel). Caches are put back after each step. On a CPU (the
     smoke run) it profiles torch ops instead."""
-    from torch.profiler import ProfilerActivity, profile
+    from bench.timing import kernel_breakdown
 
     cuda = engine.device.type == "cuda"
-    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
-    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-
     saved = engine.length.clone(), runner.context.clone(), runner.pending.clone(), engine.num_tokens
     steps = {"decode": engine.steps["decode"].fn, "verify16": engine.steps["verify"].fn,
              "draft": runner.step.fn, "commit": engine.steps["commit"].fn}  # fmt: skip
@@ -197,31 +177,7 @@ def kernel_profile(engine, runner) -> dict:
     out = {}
     for name, fn in steps.items():
         fn()  # warm (allocator, autotune caches)
-        sync()
-        with profile(activities=[activity]) as prof:
-            fn()
-            sync()
-        kernels: dict[str, list] = {}
-        for evt in prof.events():
-            if evt.device_type != kind:
-                continue
-            row = kernels.setdefault(evt.name, [0, 0.0])
-            row[0] += 1
-            row[1] += (evt.device_time if cuda else evt.self_cpu_time_total) / 1e3  # us -> ms
-        families: dict[str, list] = {}
-        for kname, (count, ms) in kernels.items():
-            fam = families.setdefault(kernel_family(kname), [0, 0.0])
-            fam[0] += count
-            fam[1] += ms
-        top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:15]
-        out[name] = {
-            "gpu_ms": sum(ms for _, ms in kernels.values()),
-            "kernels": sum(c for c, _ in kernels.values()),
-            "families": {
-                f: {"count": c, "ms": ms} for f, (c, ms) in sorted(families.items(), key=lambda kv: -kv[1][1])
-            },
-            "top": [{"name": k[:120], "count": c, "ms": ms} for k, (c, ms) in top],
-        }
+        out[name] = kernel_breakdown(fn, cuda)
         engine.length.copy_(saved[0])
         runner.context.copy_(saved[1])
         runner.pending.copy_(saved[2])

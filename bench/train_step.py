@@ -14,6 +14,8 @@ per sequence length, 512 anchors x 16, batch 1:
   --ablate     adds flashdraft with train.compile=false, and with train.attention=sdpa too (what each lever buys),
                and times the target's forward with cuDNN attention first
   --try K=V    adds flashdraft with one more override (repeatable), e.g. --try target.cudnn_attention=true
+  --profile-target  GPU time of one `FrozenTarget.capture` by kernel family and the top kernels (where the target
+               forward, most of a long-sequence step, goes)
 Each: warmup steps, then timed steps: median wall seconds per step (synchronised), sequence tokens/s, MFU of one FLOP
 count per length (DESIGN.md's cost model, printed), peak GPU memory of the timed steps, CUDA-event breakdown.
 Extra arguments `section.field=value` override flashdraft's config (e.g. train.compile=false).
@@ -183,6 +185,27 @@ def target_sdpa_backends(target, d: naive.Dims, seq: int) -> dict:
     return {"variant": "target sdpa backends", "seq": seq, "default_ms": default_ms, **row}
 
 
+@torch.no_grad()
+def target_profile(target, d: naive.Dims, seq: int, device: str) -> dict:
+    """One warm `FrozenTarget.capture` of `seq` tokens under the profiler: GPU time by kernel family, top kernels."""
+    from bench.timing import kernel_breakdown
+
+    ids = torch.randint(0, d.vocab, (1, seq), device=device)
+    attn = torch.ones_like(ids)
+    free(target.capture(ids, attn))  # warm: autotuning, allocator
+    return {"variant": "target profile", "seq": seq, **kernel_breakdown(lambda: target.capture(ids, attn),
+                                                                           cuda=device == "cuda")}  # fmt: skip
+
+
+def print_target_profile(row: dict) -> None:
+    total = row["gpu_ms"]
+    print(f"\n#### FrozenTarget.capture, seq {row['seq']}: {total:.1f} ms of kernels ({row['kernels']} launches)")
+    print("| family | ms | share | kernels |\n|---|---|---|---|")
+    for fam, v in row["families"].items():
+        print(f"| {fam} | {v['ms']:.1f} | {v['ms'] / total:.1%} | {v['count']} |")
+    print("top kernels: " + "; ".join(f"{t['name'][:70]} x{t['count']} {t['ms']:.1f} ms" for t in row["top"]))
+
+
 def compare(rows: list[dict], seqs: list[int]) -> dict:
     """Per length: flashdraft vs naive, and the issue's goals (P4 at 3072, P5 at 32768)."""
     out = {}
@@ -214,6 +237,7 @@ def main() -> None:
     ap.add_argument("--try", dest="tries", action="append", default=[], metavar="section.field=value",
                     help="also flashdraft with this override added (repeatable)")  # fmt: skip
     ap.add_argument("--skip-naive", action="store_true")
+    ap.add_argument("--profile-target", action="store_true", help="GPU time of the target's capture by kernel")
     ap.add_argument("overrides", nargs="*", metavar="section.field=value", help="flashdraft config overrides")
     args = ap.parse_args()
 
@@ -257,6 +281,9 @@ def main() -> None:
         if args.ablate and device == "cuda":
             rows.append(target_sdpa_backends(target, d, seq))
             print(rows[-1], flush=True)
+        if args.profile_target:
+            rows.append(target_profile(target, d, seq, device))
+            print_target_profile(rows[-1])
         for label, overrides in variants:
             t1 = time.time()
             rows.append(run_flashdraft(target, d, seq, device, args.warmup, args.steps, overrides, label))
@@ -272,7 +299,9 @@ def main() -> None:
     print(f"\n{json.dumps(summary)}\nwrote {args.out} ({time.time() - t0:.0f} s in all)\n")
     print(fbench.table([r for r in rows if "step_s" in r]))
     for r in rows:
-        if "step_s" not in r:
+        if r["variant"] == "target profile":
+            print_target_profile(r)
+        elif "step_s" not in r:
             print(r)
 
 
