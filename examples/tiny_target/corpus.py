@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("build/tiny_target/corpus"))
     p.add_argument("--tokenizer", type=Path, default=default_tok)
-    p.add_argument("--prompts-per-file", type=int, default=12)
+    p.add_argument("--prompts-per-file", type=int, default=40)
     p.add_argument("--heldout-prompts", type=int, default=64)
     p.add_argument("--prompt-chars", type=int, default=384)
     p.add_argument("--seed", type=int, default=0)

@@ -7,6 +7,7 @@
 # With DRAFTER_TIMEOUT, a run still training then is stopped (it checkpoints first) and evaluated as it stands.
 set -uo pipefail
 B=${BUILD:-build/tiny_target}
+TARGET=${TARGET:-$B/target}  # or embedded: the shipped target
 FD=${FLASHDRAFT:-python3 -m flashdraft}
 mkdir -p "$B/sweep"
 while read -r name overrides; do
@@ -14,9 +15,9 @@ while read -r name overrides; do
   (
     s=$(date +%s)
     ${DRAFTER_TIMEOUT:+timeout $DRAFTER_TIMEOUT} $FD train --config examples/tiny_target/drafter.yaml \
-      log.out="$B/sweep/$name" $overrides ${COMMON:-} > "$B/sweep/$name.train.log" 2>&1
+      target.path="$TARGET" log.out="$B/sweep/$name" $overrides ${COMMON:-} > "$B/sweep/$name.train.log" 2>&1
     echo "[$name] trained (exit $?) in $(( $(date +%s) - s )) s"
-    $FD eval --target "$B/target" --drafter "$B/sweep/$name" --prompts "$B/corpus/heldout_prompts.jsonl" \
+    $FD eval --target "$TARGET" --drafter "$B/sweep/$name" --prompts "$B/corpus/heldout_prompts.jsonl" \
       --temperature 0 --block-size 16 --max-new-tokens ${EVAL_TOKENS:-128} --no-progress ${EVAL_ARGS:-} \
       --json "$B/sweep/$name.eval_t0.json" > "$B/sweep/$name.eval.log" 2>&1
     echo "[$name] evaluated (exit $?) in $(( $(date +%s) - s )) s"
