@@ -46,6 +46,10 @@ class TargetConfig:
     cudnn_attention: bool = False
     """Training: the target's SDPA layers try cuDNN attention before flash. On the H200 it bought 0.5% of a 27B step at
     seq 32768 (bench/RESULTS.md); it plans each new shape once (~5 ms), which only fixed lengths amortise."""
+    compile: bool = False
+    """Training: torch.compile the torch code between the target's fast kernels (its RMSNorms and dense MLPs; at 32K
+    tokens that glue is ~19% of a 27B Qwen3.5's forward on the H200, bench/RESULTS.md). Opt-in until measured on a
+    GPU. The first batch of each of the first two lengths compiles (seconds)."""
     shard: bool = False
     """Under torchrun: shard the target's decoder layers over the ranks with FSDP2 (each GPU holds 1/N of them and
     gathers one layer at a time) instead of a whole copy per GPU; for targets that do not fit one GPU. The target

@@ -44,6 +44,7 @@ class FrozenTarget:
         target_layer_ids: the layers whose outputs `capture` concatenates, in this order.
         fastpath_report: what `fastpath.enable` proved for each linear-attention layer (empty for plain targets).
         cudnn_attention: `capture` on a GPU tries SDPA's cuDNN backend first (`target.cudnn_attention`).
+        glue_compiled: whether the torch code between the fast kernels runs compiled (`compile_glue`).
     """
 
     cudnn_attention: bool = False
@@ -161,6 +162,43 @@ class FrozenTarget:
             raise RuntimeError(f"target layers {sorted(set(slots) - written)} did not run during capture")
         return features
 
+    @property
+    def glue_compiled(self) -> bool:
+        return any(_is_compiled(m) for m in self._glue_modules())
+
+    def compile_glue(self, enabled: bool = True) -> int:
+        """torch.compile, in place, the torch code between the target's fast kernels (`target.compile`): every plain
+        RMSNorm of the kept layers (eager, Qwen3.5's upcasts to float32 and makes ~8 passes over its input; compiled,
+        one) and every dense MLP (SiLU and the product fused). The matmuls, attention, fla's and flashdraft's
+        kernels stay as they are; parameter names do not change. `enabled=False` puts the eager forwards back.
+        Idempotent; returns how many modules are compiled now. Lengths vary between batches: the first length
+        compiles a static graph, the second a dynamic one that serves every later length.
+        """
+        modules = self._glue_modules()
+        for module in modules:
+            if enabled and not _is_compiled(module):
+                # An instance attribute over whatever forward the module has (the class's, or a patch of someone
+                # else's, kept on the wrapper to be put back): no private state of nn.Module is touched.
+                compiled = torch.compile(module.forward)
+                compiled.flashdraft_eager_forward = vars(module).get("forward")
+                module.forward = compiled
+            elif not enabled and _is_compiled(module):
+                previous = module.forward.flashdraft_eager_forward
+                del module.forward
+                if previous is not None:
+                    module.forward = previous
+        return len(modules) if enabled else 0
+
+    def _glue_modules(self) -> list[nn.Module]:
+        found = []
+        for layer in self.decoder.layers:
+            for name, module in layer.named_modules():
+                plain_norm = type(module).__name__.endswith("RMSNorm") and not list(module.children())
+                dense_mlp = name == "mlp" and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj"))
+                if plain_norm or dense_mlp:
+                    found.append(module)
+        return found
+
     def _sdpa_priority(self):
         if not (self.cudnn_attention and self.device.type == "cuda"):
             return contextlib.nullcontext()
@@ -173,6 +211,10 @@ class FrozenTarget:
             SDPBackend.MATH,
         ]
         return sdpa_kernel(order, set_priority=True)
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    return hasattr(vars(module).get("forward"), "flashdraft_eager_forward")
 
 
 def _bind(fn, layer: int):

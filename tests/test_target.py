@@ -181,18 +181,53 @@ def test_capture_on_gpu_with_fast_path(family):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_capture_with_cudnn_attention_on_gpu(family):
-    """`target.cudnn_attention` changes the attention backend, not the features: both bf16 paths sit as close to the
-    float64 reference (same weights) as each other."""
+@pytest.mark.parametrize("lever", ["cudnn_attention", "compile"])
+def test_capture_levers_on_gpu(family, lever):
+    """`target.cudnn_attention` (the attention backend) and `target.compile` (compiled norms and MLPs) change how
+    the target runs, not the features: both bf16 paths sit as close to the float64 reference (same weights) as
+    each other."""
     ids = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(0))
     layer_ids = [1, 3, 5]
     reference = full_reference(family, torch.float64, ids)
     expected = torch.cat([reference[i + 1] for i in layer_ids], dim=-1)
     errors = {}
-    for cudnn in (False, True):
+    for on in (False, True):
         model = build_tiny_target(family, LAYERS, dtype=torch.float64).to("cuda", torch.bfloat16)
         target = FrozenTarget.from_model(model, layer_ids)
-        target.cudnn_attention = cudnn
+        if lever == "compile":
+            target.compile_glue(on)
+        else:
+            target.cudnn_attention = on
         got = target.capture(ids.cuda()).double().cpu()
-        errors[cudnn] = ((got - expected).norm() / expected.norm()).item()
+        errors[on] = ((got - expected).norm() / expected.norm()).item()
     assert errors[True] < 2e-2 and errors[True] <= 2 * errors[False] + 1e-3, errors
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_compiled_glue_keeps_the_features_and_can_be_undone(family):
+    """`target.compile`: the plain RMSNorms and dense MLPs run compiled — one graph per code path and shape kind,
+    shared by every layer — and the features stay those of the eager target (float32, CPU), at two lengths; then
+    `compile_glue(False)` puts every eager forward back."""
+    from torch._dynamo.utils import counters
+
+    model = build_tiny_target(family, LAYERS, dtype=torch.float32)
+    target = FrozenTarget.from_model(model, [1, 3], strict=False)
+    lengths = (24, 40)
+    ids = {n: torch.randint(0, 256, (2, n), generator=torch.Generator().manual_seed(n)) for n in lengths}
+    eager = {n: target.capture(ids[n]) for n in lengths}
+    forwards = [vars(m).get("forward") for m in target.decoder.modules()]  # instance patches (the fast path's)
+    attention_layers = [layer for layer in target.decoder.layers if hasattr(layer, "self_attn")]
+    expected = 3 * len(target.decoder.layers) + 2 * len(attention_layers)  # 2 norms + MLP per layer; q/k norms
+    torch._dynamo.reset()
+    counters.clear()
+    assert target.compile_glue() == expected and target.glue_compiled
+    assert target.compile_glue() == expected  # idempotent: nothing wrapped twice
+    for n in lengths:
+        torch.testing.assert_close(target.capture(ids[n]), eager[n], rtol=1e-5, atol=1e-5)
+    graphs = counters["stats"]["unique_graphs"]
+    assert 0 < graphs < expected, f"{graphs} graphs for {expected} modules: compiled per layer, not per code path"
+    assert target.compile_glue(False) == 0 and not target.glue_compiled
+    assert all(
+        a is b for a, b in zip([vars(m).get("forward") for m in target.decoder.modules()], forwards, strict=True)
+    )
+    assert torch.equal(target.capture(ids[lengths[0]]), eager[lengths[0]])

@@ -372,6 +372,8 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
                              attn_implementation=cfg.target.attn_implementation)  # fmt: skip
     if cfg.target.shard and not offline:
         distributed.shard_target(target.model, device)
+    if not offline:
+        target.compile_glue(cfg.target.compile)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)

@@ -299,3 +299,12 @@ def test_measured_tau_on_gpu_decodes_the_master_weights_on_the_engine(monkeypatc
     assert [next(d.parameters()).dtype for d in decoded_with] == [torch.bfloat16] * 4
     assert tau > 2.0  # the shipped drafter: 3.7 on the held-out prompts; a copy without its weights drafts ~1.0
     assert s.drafter.training and next(s.drafter.parameters()).dtype == torch.float32
+
+
+def test_target_compile_reaches_the_frozen_target(tmp_path):
+    """`target.compile` compiles the glue of the target the trainer (and `flashdraft features`) loads; off by
+    default. torch.compile is lazy, so nothing compiles here."""
+    for setting, compiled in (("false", False), ("true", True)):
+        cfg = _cfg(tmp_path / setting, f"target.compile={setting}")
+        target = loop.load_inputs(cfg, tmp_path / setting, console=None)[2]
+        assert target.glue_compiled is compiled
