@@ -62,12 +62,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-target", action="store_true", help="skip P3 (the 16-layer target forward)")
+    ap.add_argument("--repeat", type=int, default=3, help="P1: interleaved rounds per case (median, range)")
     args = ap.parse_args()
     from bench import kernels_conv, target_forward
 
     result = {"env": environment(), "ceilings": ceilings()}
     print(result, flush=True)
-    result["conv"] = kernels_conv.run_all()
+    result["conv"] = kernels_conv.run_all(repeat=args.repeat)
     if not args.skip_target:
         result["target_forward"] = target_forward.run(16, 4, 4096)
     if args.json:

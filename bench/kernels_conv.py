@@ -2,7 +2,9 @@
 Dao-AILab's CUDA causal-conv1d (when importable), all measured in one process on the same inputs.
 
   forward   bf16, D=10240, W=4, silu, x channel-last (B, L) in (1, 8192), (4, 4096), (8, 8192)
-            GB/s = (x read + y written) / median time; flashdraft and Dao also with x channel-first
+            GB/s = (x read + y written) / median time; flashdraft and Dao also with x channel-first.
+            --repeat N times each case N rounds, the providers interleaved within a round (drift between runs hits
+            all of them alike): the median of the rounds, and their range
   backward  same shapes, bias None: GB/s = (x read + dy read + dx written) / median time of the backward alone
             (dweight included in the time)
   update    B=64, D=10240, W=4, one token, bf16: us per call, CUDA events around one call (host overhead included,
@@ -10,7 +12,7 @@ Dao-AILab's CUDA causal-conv1d (when importable), all measured in one process on
 
 Every row carries its relative error (norm) against a float32 torch computation on the same inputs; a speed-up is
 reported only when both sides are correct (relerr <= 1e-2).
-Run on a GPU: python bench/kernels_conv.py [--json OUT.json] [--quick]
+Run on a GPU: python bench/kernels_conv.py [--json OUT.json] [--quick] [--repeat N]
 Called by bench/kernels.py as run_all() / print_table().
 """
 
@@ -150,7 +152,7 @@ def _add_speedups(rows: list[dict], key: str) -> None:
                     mine.setdefault("speedup_vs", {})[r["provider"]] = round(r[key] / mine[key], 3)
 
 
-def bench_forward(shapes=FWD_SHAPES) -> list[dict]:
+def bench_forward(shapes=FWD_SHAPES, repeat: int = 1) -> list[dict]:
     providers = _providers()
     rows = []
     torch.manual_seed(0)
@@ -163,23 +165,39 @@ def bench_forward(shapes=FWD_SHAPES) -> list[dict]:
             nbytes = 2 * x.numel() * x.element_size()
             case = f"B={batch} L={seqlen} {layout}"
             candidates = {n: (_forced_forward(k), None) for n, k in FORWARD_CANDIDATES.items()}
+            case_rows, timed = [], []  # every provider's row; (row, fn) of those that run here
             for name, prov in {**providers, **(candidates if layout == "channel_last" else {})}.items():
                 if layout == "channel_first" and name not in ("flashdraft", "dao"):
                     continue
                 row = {"case": case, "provider": name, "B": batch, "L": seqlen, "layout": layout}
+                case_rows.append(row)
                 if isinstance(prov, str):
-                    rows.append({**row, "note": prov})
+                    row["note"] = prov
                     continue
+                fn = lambda f=prov[0], x=x: f(x, w, "silu")  # noqa: E731
                 try:
-                    fn = lambda f=prov[0], x=x: f(x, w, "silu")  # noqa: E731
                     row["relerr"] = _relerr(fn(), ref)
                     row["ok"] = row["relerr"] <= RELERR_OK
-                    row["ms"] = _median_ms(fn)
-                    row["GBps"] = nbytes / row["ms"] / 1e6
+                    timed.append((row, fn))
                 except Exception as exc:  # noqa: BLE001
                     row["note"] = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
-                rows.append(row)
+            samples = {id(row): [] for row, _ in timed}
+            for _ in range(repeat):
+                for row, fn in timed:
+                    try:
+                        samples[id(row)].append(_median_ms(fn))
+                    except Exception as exc:  # noqa: BLE001
+                        row["note"] = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
+            for row, _ in timed:
+                ms = sorted(samples[id(row)])
+                if ms and "note" not in row:
+                    row["ms"] = ms[len(ms) // 2]
+                    row["GBps"] = nbytes / row["ms"] / 1e6
+                    if repeat > 1:
+                        row["GBps_range"] = [nbytes / ms[-1] / 1e6, nbytes / ms[0] / 1e6]
+            for row in case_rows:
                 print(_fmt(row), flush=True)
+            rows += case_rows
             del ref
         del base
     _add_speedups(rows, "ms")
@@ -267,16 +285,18 @@ def _fmt(r: dict) -> str:
         body = f"{r['us_event']:8.1f} us/call (events) {r['us_bench']:8.1f} us (do_bench)"
     else:
         body = f"{r['ms']:8.3f} ms {r['GBps']:7.0f} GB/s"
+        if "GBps_range" in r:
+            body += f" ({r['GBps_range'][0]:.0f}-{r['GBps_range'][1]:.0f})"
     err = f"relerr {r['relerr']:.1e}" + (f"/{r['relerr_dweight']:.1e}" if "relerr_dweight" in r else "")
     ok = "" if r.get("ok") else "  WRONG"
     speed = "".join(f"  {v:.2f}x {k}" for k, v in r.get("speedup_vs", {}).items())
     return f"{head} {body}  {err}{ok}{speed}"
 
 
-def run_all(quick: bool = False) -> dict:
+def run_all(quick: bool = False, repeat: int = 1) -> dict:
     shapes = FWD_SHAPES[:1] if quick else FWD_SHAPES
-    print("=== causal_conv1d forward (bf16, D=10240, W=4, silu) ===", flush=True)
-    result = {"forward": bench_forward(shapes)}
+    print(f"=== causal_conv1d forward (bf16, D=10240, W=4, silu; {repeat} interleaved round(s)) ===", flush=True)
+    result = {"forward": bench_forward(shapes, repeat)}
     print("=== causal_conv1d backward (bf16, channel-last) ===", flush=True)
     result["backward"] = bench_backward(shapes)
     print("=== causal_conv1d_update (B=64, one token) ===", flush=True)
@@ -298,10 +318,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--quick", action="store_true", help="only the first forward/backward shape")
+    ap.add_argument("--repeat", type=int, default=1, help="forward: interleaved rounds per case (median, range)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels_conv.py needs a CUDA device")
-    result = run_all(args.quick)
+    result = run_all(args.quick, args.repeat)
     result["gpu"] = torch.cuda.get_device_name()
     print("\n=== summary ===")
     print_table(result)
