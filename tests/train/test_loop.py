@@ -277,7 +277,6 @@ def test_compiled_flex_steps_over_ragged_batches_on_gpu():
     torch.testing.assert_close(losses["fast"], losses["eager"], rtol=2e-2, atol=1e-3)
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_measured_tau_on_gpu_decodes_the_master_weights_on_the_engine(monkeypatch):
@@ -297,7 +296,7 @@ def test_measured_tau_on_gpu_decodes_the_master_weights_on_the_engine(monkeypatc
                         lambda *a, **kw: decoded_with.append(kw["drafter"]) or engine_decode(*a, **kw))  # fmt: skip
     tau = loop.measure_tau(cfg, s)
     assert [next(d.parameters()).dtype for d in decoded_with] == [torch.bfloat16] * 4
-    assert tau > 2.0  # the shipped drafter: 3.7 on the held-out prompts; a copy without its weights drafts ~1.0
+    assert tau > 2.0  # the shipped drafter: ~4.7 on the held-out prompts; a copy without its weights drafts ~1.0
     assert s.drafter.training and next(s.drafter.parameters()).dtype == torch.float32
 
 
