@@ -162,6 +162,13 @@ class FrozenTarget:
             raise RuntimeError(f"target layers {sorted(set(slots) - written)} did not run during capture")
         return features
 
+    def configure(self, options) -> None:
+        """Apply the `target.*` switches that change how the target runs, not what it is (`options`: the config's
+        target section): cuDNN attention first, compiled glue. Each is set or unset, so one target can serve
+        several configurations in turn (the benchmarks' variants)."""
+        self.cudnn_attention = options.cudnn_attention
+        self.compile_glue(options.compile)
+
     @property
     def glue_compiled(self) -> bool:
         return any(_is_compiled(m) for m in self._glue_modules())

@@ -135,9 +135,9 @@ def pad_anchors(
     if isinstance(anchors, torch.Tensor):
         if anchors.ndim != 2:
             raise ValueError(f"anchors must be (B, A) or a list of (A_b,) tensors, got shape {tuple(anchors.shape)}")
-        anchors = [row[row != PAD_ANCHOR] for row in anchors] if width is not None else anchors
-    if isinstance(anchors, torch.Tensor):
-        return anchors.long() if device is None else anchors.long().to(device)
+        if width is None:
+            return anchors.long() if device is None else anchors.long().to(device)
+        anchors = [row[row != PAD_ANCHOR] for row in anchors]
     longest = max([1, *(a.numel() for a in anchors)])
     if width is not None and width < longest:
         raise ValueError(f"a sequence has {longest} anchors, more than the {width} blocks asked for")

@@ -108,8 +108,7 @@ def bench_setup(cfg, target, *, tokenizer=None, steps: int = 8):
     from flashdraft.train.accel import compile_drafter
 
     device = target.device
-    target.cudnn_attention = cfg.target.cudnn_attention
-    target.compile_glue(cfg.target.compile)  # on or back off: the benchmarks run variants on one target
+    target.configure(cfg.target)
     with torch.device(device):  # initialised in place: no CPU copy of a multi-GB drafter
         drafter = loop._drafter(cfg, target, tokenizer)
     compile_drafter(drafter, cfg.train, device)

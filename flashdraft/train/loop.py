@@ -317,7 +317,6 @@ def step_flops(s: Setup, seq_tokens: int, labelled: int) -> float:
 
 def setup(cfg: RunConfig, out: Path, console) -> Setup:
     device, tokenizer, target, data, features = load_inputs(cfg, out, console)
-    target.cudnn_attention = cfg.target.cudnn_attention
     drafter = _drafter(cfg, target, tokenizer).to(device)
     compile_drafter(drafter, cfg.train, device)  # per layer, before sharding (as torchtitan orders them)
     drafter = distributed.parallelize_drafter(drafter, device)
@@ -373,7 +372,7 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
     if cfg.target.shard and not offline:
         distributed.shard_target(target.model, device)
     if not offline:
-        target.compile_glue(cfg.target.compile)
+        target.configure(cfg.target)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
