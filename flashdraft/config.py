@@ -46,10 +46,10 @@ class TargetConfig:
     cudnn_attention: bool = False
     """Training: the target's SDPA layers try cuDNN attention before flash. On the H200 it bought 0.5% of a 27B step at
     seq 32768 (bench/RESULTS.md); it plans each new shape once (~5 ms), which only fixed lengths amortise."""
-    compile: bool = False
-    """Training: torch.compile the torch code between the target's fast kernels (its RMSNorms and dense MLPs; at 32K
-    tokens that glue is ~19% of a 27B Qwen3.5's forward on the H200, bench/RESULTS.md). Opt-in until measured on a
-    GPU. The first batch of each of the first two lengths compiles (seconds)."""
+    compile: bool | str = "auto"
+    """Training: torch.compile the torch code between the target's fast kernels (its RMSNorms and dense MLPs). On the
+    H200 it took a 27B Qwen3.5's forward from 3.25 to 2.98 s at 32K tokens (bench/RESULTS.md). true | false | auto
+    (on CUDA unless target.shard). The first batch of each of the first two lengths compiles (seconds)."""
     shard: bool = False
     """Under torchrun: shard the target's decoder layers over the ranks with FSDP2 (each GPU holds 1/N of them and
     gathers one layer at a time) instead of a whole copy per GPU; for targets that do not fit one GPU. The target
@@ -215,6 +215,8 @@ class RunConfig:
             ("train.static_shapes", isinstance(self.train.static_shapes, bool) or self.train.static_shapes == "auto",
              "must be auto, true or false"),
             ("train.compile", isinstance(self.train.compile, bool) or self.train.compile == "auto",
+             "must be auto, true or false"),
+            ("target.compile", isinstance(self.target.compile, bool) or self.target.compile == "auto",
              "must be auto, true or false"),
             ("target.dtype", self.target.dtype in ("auto", "bfloat16", "float16", "float32"),
              "must be auto, bfloat16, float16 or float32"),

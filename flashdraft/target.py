@@ -35,6 +35,19 @@ _FALSE = ("0", "false", "no", "off")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def glue_compile_enabled(options, device: torch.device) -> bool:
+    """`target.compile` resolved for `device` (`options`: the config's target section). auto compiles on CUDA, where
+    it bought 7% of a 27B step at 32K tokens on the H200 (bench/RESULTS.md, session 9), but not a sharded target
+    (`target.shard`: FSDP2's gathered layers have not been tried compiled) nor on the CPU (a C++ toolchain, and
+    tiny targets gain nothing)."""
+    setting = options.compile
+    if setting == "auto":
+        return device.type == "cuda" and not options.shard
+    if not isinstance(setting, bool):
+        raise ValueError(f"target.compile = {setting!r}: must be auto, true or false")
+    return setting
+
+
 class FrozenTarget:
     """A frozen causal LM truncated after its last captured layer; see the module docstring.
 
@@ -167,7 +180,7 @@ class FrozenTarget:
         target section): cuDNN attention first, compiled glue. Each is set or unset, so one target can serve
         several configurations in turn (the benchmarks' variants)."""
         self.cudnn_attention = options.cudnn_attention
-        self.compile_glue(options.compile)
+        self.compile_glue(glue_compile_enabled(options, self.device))
 
     @property
     def glue_compiled(self) -> bool:
@@ -422,6 +435,7 @@ def _quiet_transformers() -> Iterator[None]:
 __all__ = [
     "FrozenTarget",
     "check_checkpoint",
+    "glue_compile_enabled",
     "is_hub_id",
     "load_target",
     "resolve_local_files_only",

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from flashdraft import fastpath
-from flashdraft.target import FrozenTarget, load_target, resolve_local_files_only
+from flashdraft.config import TargetConfig
+from flashdraft.target import FrozenTarget, glue_compile_enabled, load_target, resolve_local_files_only
 from flashdraft.tiny_configs import build_tiny_target
 
 LAYERS = 8
@@ -231,3 +232,19 @@ def test_compiled_glue_keeps_the_features_and_can_be_undone(family):
         a is b for a, b in zip([vars(m).get("forward") for m in target.decoder.modules()], forwards, strict=True)
     )
     assert torch.equal(target.capture(ids[lengths[0]]), eager[lengths[0]])
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "shard", "expected"),
+    [("auto", "cuda", False, True), ("auto", "cuda", True, False), ("auto", "cpu", False, False),
+     (True, "cpu", False, True), (False, "cuda", False, False), (True, "cuda", True, True)],
+)  # fmt: skip
+def test_target_compile_resolution(setting, device, shard, expected):
+    """`target.compile`: auto compiles the glue on CUDA, except a sharded target; true and false are obeyed."""
+    options = TargetConfig(path="t", compile=setting, shard=shard)
+    assert glue_compile_enabled(options, torch.device(device)) is expected
+
+
+def test_target_compile_rejects_other_values():
+    with pytest.raises(ValueError, match="target.compile = 'yes'"):
+        glue_compile_enabled(TargetConfig(path="t", compile="yes"), torch.device("cpu"))

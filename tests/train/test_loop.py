@@ -259,11 +259,14 @@ def test_static_shapes_pad_without_changing_loss_or_gradients():
 def test_compiled_flex_steps_over_ragged_batches_on_gpu():
     """What stopped a compiled FlexAttention run on the H200 at its second step: the batch shape changed. Under
     train.compile the shapes are static (train.static_shapes=auto), and each step's loss is the eager SDPA loss of
-    the unpadded batch, up to bf16 rounding."""
+    the unpadded batch, up to bf16 rounding. The fast run also compiles the target's glue (target.compile=auto), over
+    the batches' four lengths."""
     from flashdraft.train import bench
 
     base = ["data.max_length=40", "recipe.num_anchors=6", "train.batch_size=2", "train.grad_accum=1"]
-    eager = load_config(embedded.ASSETS / "train.yaml", [*base, "train.attention=sdpa", "train.compile=false"])
+    eager = load_config(
+        embedded.ASSETS / "train.yaml", [*base, "train.attention=sdpa", "train.compile=false", "target.compile=false"]
+    )
     fast = load_config(embedded.ASSETS / "train.yaml", [*base, "train.attention=flex", "train.compile=true"])
     target, tokenizer = bench.load_bench_target(eager)
     losses = {}
@@ -301,9 +304,9 @@ def test_measured_tau_on_gpu_decodes_the_master_weights_on_the_engine(monkeypatc
 
 
 def test_target_compile_reaches_the_frozen_target(tmp_path):
-    """`target.compile` compiles the glue of the target the trainer (and `flashdraft features`) loads; off by
-    default. torch.compile is lazy, so nothing compiles here."""
-    for setting, compiled in (("false", False), ("true", True)):
+    """`target.compile` compiles the glue of the target the trainer (and `flashdraft features`) loads; auto leaves
+    it eager on the CPU. torch.compile is lazy, so nothing compiles here."""
+    for setting, compiled in (("false", False), ("true", True), ("auto", False)):
         cfg = _cfg(tmp_path / setting, f"target.compile={setting}")
         target = loop.load_inputs(cfg, tmp_path / setting, console=None)[2]
         assert target.glue_compiled is compiled
