@@ -4,11 +4,16 @@ Dao-AILab's CUDA causal-conv1d (when importable), all measured in one process on
   forward   bf16, D=10240, W=4, silu, x channel-last (B, L) in (1, 8192), (4, 4096), (8, 8192)
             GB/s = (x read + y written) / median time; flashdraft and Dao also with x channel-first.
             --repeat N times each case N rounds, the providers interleaved within a round (drift between runs hits
-            all of them alike): the median of the rounds, and their range
+            all of them alike): the median of the rounds, and their range; "host" is each provider's host time
+            per call (launch path), flagged HOST-BOUND when it nears the kernel's
   backward  same shapes, bias None: GB/s = (x read + dy read + dx written) / median time of the backward alone
             (dweight included in the time)
   update    B=64, D=10240, W=4, one token, bf16: us per call, CUDA events around one call (host overhead included,
             as a decode step sees it) and triton.testing.do_bench (back-to-back calls)
+
+  --sweep   instead: the forward's row-walk kernel at the channel-last shapes once per autotune config, each
+            config fixed, in --repeat interleaved rounds; every round's GB/s is kept (is one config best everywhere,
+            and is the spread between rounds the kernel's or the autotuner's?)
 
 Every row carries its relative error (norm) against a float32 torch computation on the same inputs; a speed-up is
 reported only when both sides are correct (relerr <= 1e-2).
@@ -120,6 +125,21 @@ def _median_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
+def _host_us(fn, calls: int = 20) -> float:
+    """Microseconds of host time per call, enqueueing `calls` back to back on an idle stream (fewer than the launch
+    queue holds, so the host never waits for the GPU). When it nears the kernel's time, do_bench's figure (events
+    around each call, after an L2 flush) includes the host's launch path: the GPU waits for it."""
+    import time
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def _event_us(fn, iters: int = 200, warmup: int = 20) -> float:
     """Median of CUDA events around a single call, synchronising between calls (microseconds)."""
     from bench.timing import events_ms
@@ -192,6 +212,7 @@ def bench_forward(shapes=FWD_SHAPES, repeat: int = 1) -> list[dict]:
                 ms = sorted(samples[id(row)])
                 if ms and "note" not in row:
                     row["ms"] = ms[len(ms) // 2]
+                    row["host_us"] = _host_us(fn)
                     row["GBps"] = nbytes / row["ms"] / 1e6
                     if repeat > 1:
                         row["GBps_range"] = [nbytes / ms[-1] / 1e6, nbytes / ms[0] / 1e6]
@@ -277,6 +298,42 @@ def bench_update(batch: int = UPDATE_BATCH) -> list[dict]:
     return rows
 
 
+def sweep_forward_configs(shapes=FWD_SHAPES, repeat: int = 3) -> list[dict]:
+    """The rows kernel with each of its autotune configs fixed (the tuner given that one config), channel-last x."""
+    from flashdraft.kernels import causal_conv1d_fn
+    from flashdraft.kernels.causal_conv1d import forward
+
+    tuner = forward._tuned_kernel("rows", 2)
+    configs = list(tuner.configs)
+    torch.manual_seed(0)
+    w = (torch.randn(D, W, device=DEVICE) * 0.5).bfloat16()
+    rows = []
+    try:
+        for batch, seqlen in shapes:
+            x = torch.randn(batch, seqlen, D, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+            ref = torch_conv_fn(x.float(), w.float(), None, "silu")
+            nbytes = 2 * x.numel() * x.element_size()
+            case = [{"case": f"B={batch} L={seqlen} channel_last", "config": f"{c.kwargs} warps={c.num_warps}",
+                     "samples_GBps": []} for c in configs]  # fmt: skip
+            for _ in range(repeat):
+                for row, cfg in zip(case, configs, strict=True):
+                    tuner.configs, tuner.cache = [cfg], {}
+                    fn = lambda x=x: causal_conv1d_fn(x, w, None, activation="silu")  # noqa: E731
+                    row["relerr"] = _relerr(fn(), ref)
+                    row["samples_GBps"].append(nbytes / _median_ms(fn) / 1e6)
+            for row in case:
+                got = sorted(row["samples_GBps"])
+                row["GBps"] = got[len(got) // 2]
+                print(f"{row['case']:28s} {row['config']:55s} {row['GBps']:6.0f} GB/s "
+                      f"(rounds {', '.join(f'{g:.0f}' for g in row['samples_GBps'])})  relerr {row['relerr']:.1e}",
+                      flush=True)  # fmt: skip
+            rows += case
+            del x, ref
+    finally:
+        tuner.configs, tuner.cache = configs, {}
+    return rows
+
+
 def _fmt(r: dict) -> str:
     head = f"{r['case']:32s} {r['provider']:15s}"
     if "note" in r:
@@ -287,6 +344,9 @@ def _fmt(r: dict) -> str:
         body = f"{r['ms']:8.3f} ms {r['GBps']:7.0f} GB/s"
         if "GBps_range" in r:
             body += f" ({r['GBps_range'][0]:.0f}-{r['GBps_range'][1]:.0f})"
+        if "host_us" in r:
+            # A host slower than ~0.7x the kernel shows in do_bench's time (flashdraft and fla launch from Python).
+            body += f"  host {r['host_us']:.0f} us" + (" HOST-BOUND" if r["host_us"] > 0.7 * r["ms"] * 1e3 else "")
     err = f"relerr {r['relerr']:.1e}" + (f"/{r['relerr_dweight']:.1e}" if "relerr_dweight" in r else "")
     ok = "" if r.get("ok") else "  WRONG"
     speed = "".join(f"  {v:.2f}x {k}" for k, v in r.get("speedup_vs", {}).items())
@@ -319,9 +379,17 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--quick", action="store_true", help="only the first forward/backward shape")
     ap.add_argument("--repeat", type=int, default=1, help="forward: interleaved rounds per case (median, range)")
+    ap.add_argument("--sweep", action="store_true", help="the forward row kernel once per config (see above)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels_conv.py needs a CUDA device")
+    if args.sweep:
+        result = {"sweep": sweep_forward_configs(FWD_SHAPES[:1] if args.quick else FWD_SHAPES, args.repeat)}
+        result["gpu"] = torch.cuda.get_device_name()
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=1)
+        return
     result = run_all(args.quick, args.repeat)
     result["gpu"] = torch.cuda.get_device_name()
     print("\n=== summary ===")

@@ -197,6 +197,30 @@ def test_initial_and_final_states(cc, device, shapes, gen, dtype, layout, width,
     check_fn(cc, x, weight, None, h0=h0, return_final_states=True, final_states_out=out, activation="silu", gen=gen)
 
 
+def test_inference_calls_skip_autograd(cc, device, shapes, gen, monkeypatch):
+    """With no gradient to track (under no_grad, or no input requiring one) the kernel runs without
+    autograd.Function, whose bookkeeping is host time on every call of a frozen target; the outputs are the
+    differentiable path's, to the bit, and a given final-states buffer is still the one returned."""
+    batch, dim, seqlen = shape = shapes["short"]
+    x = make_x(gen, shape, BF16, device, channel_last=True)
+    weight = torch.randn(dim, 4, generator=gen).to(device, BF16).requires_grad_()
+    h0 = torch.randn(batch, 3, dim, generator=gen).to(device, BF16).transpose(1, 2)
+    applied = []
+    apply = cc.function.CausalConv1dFunction.apply
+    monkeypatch.setattr(cc.function.CausalConv1dFunction, "apply", lambda *a: applied.append(a) or apply(*a))
+    y, fs = cc.causal_conv1d_fn(x, weight, None, None, h0, True, None, "silu")
+    assert len(applied) == 1 and y.grad_fn is not None
+    with torch.no_grad():
+        y_no_grad, fs_no_grad = cc.causal_conv1d_fn(x, weight, None, None, h0, True, None, "silu")
+    out = torch.full((batch, dim, 3), float("nan"), device=device, dtype=BF16)
+    y_frozen, fs_frozen = cc.causal_conv1d_fn(x, weight.detach(), None, None, h0, True, out, "silu")
+    assert len(applied) == 1, "an inference call went through autograd.Function"
+    assert fs_frozen is out
+    for got, got_fs in ((y_no_grad, fs_no_grad), (y_frozen, fs_frozen)):
+        assert got.grad_fn is None and got.stride() == y.stride()
+        assert torch.equal(got, y.detach()) and torch.equal(got_fs, fs.detach())
+
+
 class _Launches:
     """Stands in for a forward kernel under the interpreter and counts its launches."""
 

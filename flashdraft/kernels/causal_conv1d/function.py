@@ -75,21 +75,27 @@ def _check_args(x, weight, bias, seq_idx, initial_states, return_final_states, f
         )
 
 
+def _forward(x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, silu):
+    """(y, final states or None): the forward kernel, with the final-states buffer made when none is given."""
+    final_states = None
+    if return_final_states:
+        final_states = final_states_out
+        if final_states is None:
+            batch, dim, _ = x.shape
+            shape = (batch, dim, weight.shape[1] - 1)
+            final_states = _empty_like_output(shape, x.dtype, x.device, is_channel_last(x))
+    return causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, final_states, silu), final_states
+
+
 class CausalConv1dFunction(torch.autograd.Function):
     """Autograd of the causal conv1d: forward and backward are Triton kernels (see forward.py, backward.py)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, silu):
-        final_states = None
-        if return_final_states:
-            final_states = final_states_out
-            if final_states is None:
-                batch, dim, _ = x.shape
-                shape = (batch, dim, weight.shape[1] - 1)
-                final_states = _empty_like_output(shape, x.dtype, x.device, is_channel_last(x))
-            else:
-                ctx.mark_dirty(final_states)
-        y = causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, final_states, silu)
+        if final_states_out is not None:
+            ctx.mark_dirty(final_states_out)
+        y, final_states = _forward(x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
+                                   silu)  # fmt: skip
         ctx.save_for_backward(x, weight, bias, seq_idx, initial_states)
         ctx.silu = silu
         ctx.return_final_states = return_final_states
@@ -148,6 +154,13 @@ def causal_conv1d_fn(
     if bias is not None and bias.stride(0) != 1:
         # The kernels read bias with unit stride (D floats at most: the copy is free).
         bias = bias.contiguous()
+    differentiable = (x, weight, bias, initial_states)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)):
+        # Inference (a frozen target, decoding): the kernel without autograd.Function's bookkeeping. On the H200's
+        # host a call's launch path took 81 us against a 108 us kernel at 1 x 8192 (bench/RESULTS.md, session 9).
+        y, final_states = _forward(x, weight, bias, seq_idx, initial_states, return_final_states,
+                                   final_states_out if return_final_states else None, silu)  # fmt: skip
+        return (y, final_states) if return_final_states else y
     return CausalConv1dFunction.apply(
         x,
         weight,
