@@ -12,8 +12,8 @@ Dao-AILab's CUDA causal-conv1d (when importable), all measured in one process on
             as a decode step sees it) and triton.testing.do_bench (back-to-back calls)
 
   --sweep   instead: the forward's row-walk kernel at the channel-last shapes once per autotune config, each
-            config fixed, in --repeat interleaved rounds; every round's GB/s is kept (is one config best everywhere,
-            and is the spread between rounds the kernel's or the autotuner's?)
+            config fixed (and the candidates in SWEEP_CANDIDATES, marked *), in --repeat interleaved rounds; every
+            round's GB/s is kept (is one config best everywhere, and is the spread between rounds the kernel's?)
 
 Every row carries its relative error (norm) against a float32 torch computation on the same inputs; a speed-up is
 reported only when both sides are correct (relerr <= 1e-2).
@@ -30,6 +30,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -298,13 +299,23 @@ def bench_update(batch: int = UPDATE_BATCH) -> list[dict]:
     return rows
 
 
+# Row-walk configs not shipped (not in forward._row_configs), timed by --sweep beside the shipped ones (marked *):
+# narrow one-warp programs with longer walks (bench/NOTES.md, session 9).
+SWEEP_CANDIDATES = [
+    triton.Config({"BLOCK_D": 64, "SUB_L": 16, "N_SUB": 8}, num_warps=1, num_stages=1),
+    triton.Config({"BLOCK_D": 128, "SUB_L": 16, "N_SUB": 8}, num_warps=1, num_stages=1),
+    triton.Config({"BLOCK_D": 64, "SUB_L": 32, "N_SUB": 2}, num_warps=1, num_stages=1),
+]
+
+
 def sweep_forward_configs(shapes=FWD_SHAPES, repeat: int = 3) -> list[dict]:
     """The rows kernel with each of its autotune configs fixed (the tuner given that one config), channel-last x."""
     from flashdraft.kernels import causal_conv1d_fn
     from flashdraft.kernels.causal_conv1d import forward
 
     tuner = forward._tuned_kernel("rows", 2)
-    configs = list(tuner.configs)
+    shipped = list(tuner.configs)
+    configs = shipped + [c for c in SWEEP_CANDIDATES if c not in shipped]
     torch.manual_seed(0)
     w = (torch.randn(D, W, device=DEVICE) * 0.5).bfloat16()
     rows = []
@@ -314,7 +325,7 @@ def sweep_forward_configs(shapes=FWD_SHAPES, repeat: int = 3) -> list[dict]:
             ref = torch_conv_fn(x.float(), w.float(), None, "silu")
             nbytes = 2 * x.numel() * x.element_size()
             case = [{"case": f"B={batch} L={seqlen} channel_last", "config": f"{c.kwargs} warps={c.num_warps}",
-                     "samples_GBps": []} for c in configs]  # fmt: skip
+                     "candidate": c not in shipped, "samples_GBps": []} for c in configs]  # fmt: skip
             for _ in range(repeat):
                 for row, cfg in zip(case, configs, strict=True):
                     tuner.configs, tuner.cache = [cfg], {}
@@ -324,13 +335,13 @@ def sweep_forward_configs(shapes=FWD_SHAPES, repeat: int = 3) -> list[dict]:
             for row in case:
                 got = sorted(row["samples_GBps"])
                 row["GBps"] = got[len(got) // 2]
-                print(f"{row['case']:28s} {row['config']:55s} {row['GBps']:6.0f} GB/s "
+                print(f"{row['case']:28s} {row['config']:55s}{'*' if row['candidate'] else ' '}{row['GBps']:6.0f} GB/s "
                       f"(rounds {', '.join(f'{g:.0f}' for g in row['samples_GBps'])})  relerr {row['relerr']:.1e}",
                       flush=True)  # fmt: skip
             rows += case
             del x, ref
     finally:
-        tuner.configs, tuner.cache = configs, {}
+        tuner.configs, tuner.cache = shipped, {}
     return rows
 
 
