@@ -33,6 +33,17 @@ class ConfigError(ValueError):
         self.field = field
 
 
+def resolve_switch(name: str, setting: bool | str, auto: bool) -> bool:
+    """A true | false | auto setting (`name`, for the error) resolved: `auto` is what auto means here."""
+    if not is_switch(setting):
+        raise ValueError(f"{name} = {setting!r}: must be auto, true or false")
+    return auto if setting == "auto" else setting
+
+
+def is_switch(setting: Any) -> bool:
+    return isinstance(setting, bool) or setting == "auto"
+
+
 @dataclass(kw_only=True)
 class TargetConfig:
     path: str = "embedded"
@@ -212,12 +223,9 @@ class RunConfig:
             ("train.device", self.train.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
             ("train.on_nonfinite", self.train.on_nonfinite in ("stop", "skip"), "must be stop or skip"),
             ("train.attention", self.train.attention in ("auto", "flex", "sdpa"), "must be auto, flex or sdpa"),
-            ("train.static_shapes", isinstance(self.train.static_shapes, bool) or self.train.static_shapes == "auto",
-             "must be auto, true or false"),
-            ("train.compile", isinstance(self.train.compile, bool) or self.train.compile == "auto",
-             "must be auto, true or false"),
-            ("target.compile", isinstance(self.target.compile, bool) or self.target.compile == "auto",
-             "must be auto, true or false"),
+            ("train.static_shapes", is_switch(self.train.static_shapes), "must be auto, true or false"),
+            ("train.compile", is_switch(self.train.compile), "must be auto, true or false"),
+            ("target.compile", is_switch(self.target.compile), "must be auto, true or false"),
             ("target.dtype", self.target.dtype in ("auto", "bfloat16", "float16", "float32"),
              "must be auto, bfloat16, float16 or float32"),
             ("log.every", self.log.every >= 1, "must be >= 1"),

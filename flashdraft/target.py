@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from flashdraft import fastpath
+from flashdraft.config import resolve_switch
 from flashdraft.drafter.config import build_target_layer_ids, target_text_config
 from flashdraft.fastpath.probe import FastPathReport
 
@@ -40,12 +41,7 @@ def glue_compile_enabled(options, device: torch.device) -> bool:
     it bought 7% of a 27B step at 32K tokens on the H200 (bench/RESULTS.md, session 9), but not a sharded target
     (`target.shard`: FSDP2's gathered layers have not been tried compiled) nor on the CPU (a C++ toolchain, and
     tiny targets gain nothing)."""
-    setting = options.compile
-    if setting == "auto":
-        return device.type == "cuda" and not options.shard
-    if not isinstance(setting, bool):
-        raise ValueError(f"target.compile = {setting!r}: must be auto, true or false")
-    return setting
+    return resolve_switch("target.compile", options.compile, device.type == "cuda" and not options.shard)
 
 
 class FrozenTarget:

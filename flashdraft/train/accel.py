@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from flashdraft.config import resolve_switch
 from flashdraft.drafter.recipe import DraftBatch, dense_block_mask, flex_block_mask, layer_mask_rules
 
 ATTENTION = ("auto", "flex", "sdpa")
@@ -55,20 +56,12 @@ def drafter_mask(batch: DraftBatch, config, kind: str):
 def compile_enabled(setting: bool | str, device: torch.device) -> bool:
     """`train.compile` resolved for `device`: auto compiles on CUDA (with flex, see above); a CPU compile needs a C++
     toolchain and costs more than it saves at CPU sizes."""
-    if setting == "auto":
-        return device.type == "cuda"
-    if not isinstance(setting, bool):
-        raise ValueError(f"train.compile = {setting!r}: must be auto, true or false")
-    return setting
+    return resolve_switch("train.compile", setting, device.type == "cuda")
 
 
 def static_shapes(setting: bool | str, compile_setting: bool | str, device: torch.device) -> bool:
     """`train.static_shapes` resolved: auto follows `train.compile`."""
-    if setting == "auto":
-        return compile_enabled(compile_setting, device)
-    if not isinstance(setting, bool):
-        raise ValueError(f"train.static_shapes = {setting!r}: must be auto, true or false")
-    return setting
+    return resolve_switch("train.static_shapes", setting, compile_enabled(compile_setting, device))
 
 
 def compile_layers(drafter, setting: bool | str, device: torch.device, *, dynamic: bool | None = None) -> bool:
