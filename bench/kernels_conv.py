@@ -14,6 +14,9 @@ Dao-AILab's CUDA causal-conv1d (when importable), all measured in one process on
   --sweep   instead: the forward's row-walk kernel at the channel-last shapes once per autotune config, each
             config fixed (and the candidates in SWEEP_CANDIDATES, marked *), in --repeat interleaved rounds; every
             round's GB/s is kept (is one config best everywhere, and is the spread between rounds the kernel's?)
+  --sweep-backward  the same for the backward's row-walk configs (whole backward timed, as in "backward" above)
+  --placement  instead (or also, with the sweeps): the shipped forward at the channel-last shapes with y at several
+            offsets from x (PLACEMENT_SHIFTS_KIB): does the speed depend on where the output lies?
 
 Every row carries its relative error (norm) against a float32 torch computation on the same inputs; a speed-up is
 reported only when both sides are correct (relerr <= 1e-2).
@@ -209,12 +212,13 @@ def bench_forward(shapes=FWD_SHAPES, repeat: int = 1) -> list[dict]:
                         samples[id(row)].append(_median_ms(fn))
                     except Exception as exc:  # noqa: BLE001
                         row["note"] = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
-            for row, _ in timed:
+            for row, fn in timed:
                 ms = sorted(samples[id(row)])
                 if ms and "note" not in row:
                     row["ms"] = ms[len(ms) // 2]
                     row["host_us"] = _host_us(fn)
                     row["GBps"] = nbytes / row["ms"] / 1e6
+                    row["GBps_rounds"] = [nbytes / t / 1e6 for t in samples[id(row)]]
                     if repeat > 1:
                         row["GBps_range"] = [nbytes / ms[-1] / 1e6, nbytes / ms[0] / 1e6]
             for row in case_rows:
@@ -299,13 +303,35 @@ def bench_update(batch: int = UPDATE_BATCH) -> list[dict]:
     return rows
 
 
+# Offsets of y (KiB) timed by --placement: within a DRAM page, across pages, channels and the 2 MiB allocator blocks.
+PLACEMENT_SHIFTS_KIB = [0, 1, 4, 64, 512, 1024, 2048, 3072, 65536 + 17]
+
+
 # Row-walk configs not shipped (not in forward._row_configs), timed by --sweep beside the shipped ones (marked *):
-# narrow one-warp programs with longer walks (bench/NOTES.md, session 9).
+# one more wide and one more narrow program, now that SiLU costs fewer instructions (bench/NOTES.md, session 11).
 SWEEP_CANDIDATES = [
-    triton.Config({"BLOCK_D": 64, "SUB_L": 16, "N_SUB": 8}, num_warps=1, num_stages=1),
     triton.Config({"BLOCK_D": 128, "SUB_L": 16, "N_SUB": 8}, num_warps=1, num_stages=1),
-    triton.Config({"BLOCK_D": 64, "SUB_L": 32, "N_SUB": 2}, num_warps=1, num_stages=1),
+    triton.Config({"BLOCK_D": 256, "SUB_L": 16, "N_SUB": 16}, num_warps=2, num_stages=1),
 ]
+
+
+def _time_each_config(tuner, configs, shipped, case: str, fn, relerr, nbytes: int, repeat: int) -> list[dict]:
+    """fn() timed with the autotuner given one config at a time, in `repeat` interleaved rounds; relerr() checks the
+    result of the config just run."""
+    rows = [{"case": case, "config": f"{c.kwargs} warps={c.num_warps}", "candidate": c not in shipped,
+             "samples_GBps": []} for c in configs]  # fmt: skip
+    for _ in range(repeat):
+        for row, cfg in zip(rows, configs, strict=True):
+            tuner.configs, tuner.cache = [cfg], {}
+            row["relerr"] = relerr()
+            row["samples_GBps"].append(nbytes / _median_ms(fn) / 1e6)
+    for row in rows:
+        got = sorted(row["samples_GBps"])
+        row["GBps"] = got[len(got) // 2]
+        print(f"{row['case']:28s} {row['config']:55s}{'*' if row['candidate'] else ' '}{row['GBps']:6.0f} GB/s "
+              f"(rounds {', '.join(f'{g:.0f}' for g in row['samples_GBps'])})  relerr {row['relerr']:.1e}",
+              flush=True)  # fmt: skip
+    return rows
 
 
 def sweep_forward_configs(shapes=FWD_SHAPES, repeat: int = 3) -> list[dict]:
@@ -323,25 +349,80 @@ def sweep_forward_configs(shapes=FWD_SHAPES, repeat: int = 3) -> list[dict]:
         for batch, seqlen in shapes:
             x = torch.randn(batch, seqlen, D, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
             ref = torch_conv_fn(x.float(), w.float(), None, "silu")
-            nbytes = 2 * x.numel() * x.element_size()
-            case = [{"case": f"B={batch} L={seqlen} channel_last", "config": f"{c.kwargs} warps={c.num_warps}",
-                     "candidate": c not in shipped, "samples_GBps": []} for c in configs]  # fmt: skip
-            for _ in range(repeat):
-                for row, cfg in zip(case, configs, strict=True):
-                    tuner.configs, tuner.cache = [cfg], {}
-                    fn = lambda x=x: causal_conv1d_fn(x, w, None, activation="silu")  # noqa: E731
-                    row["relerr"] = _relerr(fn(), ref)
-                    row["samples_GBps"].append(nbytes / _median_ms(fn) / 1e6)
-            for row in case:
-                got = sorted(row["samples_GBps"])
-                row["GBps"] = got[len(got) // 2]
-                print(f"{row['case']:28s} {row['config']:55s}{'*' if row['candidate'] else ' '}{row['GBps']:6.0f} GB/s "
-                      f"(rounds {', '.join(f'{g:.0f}' for g in row['samples_GBps'])})  relerr {row['relerr']:.1e}",
-                      flush=True)  # fmt: skip
-            rows += case
+            fn = lambda x=x: causal_conv1d_fn(x, w, None, activation="silu")  # noqa: E731
+            case = f"B={batch} L={seqlen} channel_last"
+            rows += _time_each_config(tuner, configs, shipped, case, fn, lambda fn=fn, ref=ref: _relerr(fn(), ref),
+                                      2 * x.numel() * x.element_size(), repeat)  # fmt: skip
             del x, ref
     finally:
         tuner.configs, tuner.cache = shipped, {}
+    return rows
+
+
+def sweep_backward_configs(shapes=FWD_SHAPES, repeat: int = 3) -> list[dict]:
+    """The backward rows kernel with each of its autotune configs fixed, timed as bench_backward times it."""
+    from flashdraft.kernels import causal_conv1d_fn
+    from flashdraft.kernels.causal_conv1d import backward
+
+    tuner = backward._tuned_kernel("rows", 2)
+    shipped = list(tuner.configs)
+    torch.manual_seed(1)
+    w = (torch.randn(D, W, device=DEVICE) * 0.5).bfloat16().requires_grad_()
+    rows = []
+    try:
+        for batch, seqlen in shapes:
+            x = torch.randn(batch, seqlen, D, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+            dy = torch.randn(batch, seqlen, D, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+            xf = x.detach().float().requires_grad_()
+            dx_ref = torch.autograd.grad(torch_conv_fn(xf, w.detach().float(), None, "silu"), xf, dy.float())[0]
+            y = causal_conv1d_fn(x, w, None, activation="silu")
+            fn = lambda y=y, x=x, dy=dy: torch.autograd.grad(y, (x, w), dy, retain_graph=True)  # noqa: E731
+            case = f"B={batch} L={seqlen} backward"
+            rows += _time_each_config(tuner, shipped, shipped, case, fn, lambda fn=fn, ref=dx_ref: _relerr(fn()[0], ref),
+                                      3 * x.numel() * x.element_size(), repeat)  # fmt: skip
+            del x, dy, xf, dx_ref, y
+    finally:
+        tuner.configs, tuner.cache = shipped, {}
+    return rows
+
+
+def placement_forward(shapes=FWD_SHAPES, shifts_kib=PLACEMENT_SHIFTS_KIB) -> list[dict]:
+    """The shipped forward at each channel-last shape with y written at several distances from x: y is a view of
+    one buffer, moved by `shift` KiB, so only the output's placement changes between rows (does the rows kernel's
+    speed depend on where y lies relative to x, as its spread between rounds at (8, 8192) suggests?)."""
+    from flashdraft.kernels import causal_conv1d_fn
+    from flashdraft.kernels.causal_conv1d import forward
+
+    allocate = forward._empty_like_output
+    torch.manual_seed(0)
+    w = (torch.randn(D, W, device=DEVICE) * 0.5).bfloat16()
+    rows = []
+    try:
+        for batch, seqlen in shapes:
+            x = torch.randn(batch, seqlen, D, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+            ref = torch_conv_fn(x.float(), w.float(), None, "silu")
+            nbytes = 2 * x.numel() * x.element_size()
+            buf = torch.empty(x.numel() + max(shifts_kib) * 512, dtype=torch.bfloat16, device=DEVICE)
+            fn = lambda x=x: causal_conv1d_fn(x, w, None, activation="silu")  # noqa: E731
+            for shift in shifts_kib:
+                start = shift * 512  # elements of 2 bytes
+
+                def at_shift(shape, dtype, device, channel_last=False, start=start, buf=buf):
+                    b, d, n = shape
+                    return buf[start : start + b * d * n].view(b, n, d).transpose(1, 2)
+
+                forward._empty_like_output = at_shift
+                y = fn()
+                row = {"case": f"B={batch} L={seqlen} channel_last", "shift_KiB": shift,
+                       "y_minus_x_MiB": (y.data_ptr() - x.data_ptr()) / 2**20, "relerr": _relerr(y, ref)}  # fmt: skip
+                del y
+                row["GBps"] = nbytes / _median_ms(fn) / 1e6
+                print(f"{row['case']:28s} y shifted {shift:8d} KiB (y - x = {row['y_minus_x_MiB']:10.3f} MiB) "
+                      f"{row['GBps']:6.0f} GB/s  relerr {row['relerr']:.1e}", flush=True)  # fmt: skip
+                rows.append(row)
+            del x, ref, buf
+    finally:
+        forward._empty_like_output = allocate
     return rows
 
 
@@ -391,11 +472,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the first forward/backward shape")
     ap.add_argument("--repeat", type=int, default=1, help="forward: interleaved rounds per case (median, range)")
     ap.add_argument("--sweep", action="store_true", help="the forward row kernel once per config (see above)")
+    ap.add_argument("--placement", action="store_true", help="the forward with y at several offsets (see above)")
+    ap.add_argument("--sweep-backward", action="store_true", help="the backward row kernel once per config")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels_conv.py needs a CUDA device")
-    if args.sweep:
-        result = {"sweep": sweep_forward_configs(FWD_SHAPES[:1] if args.quick else FWD_SHAPES, args.repeat)}
+    if args.sweep or args.placement or args.sweep_backward:
+        shapes = FWD_SHAPES[:1] if args.quick else FWD_SHAPES
+        result = {"sweep": sweep_forward_configs(shapes, args.repeat)} if args.sweep else {}
+        if args.sweep_backward:
+            result["sweep_backward"] = sweep_backward_configs(shapes, args.repeat)
+        if args.placement:
+            result["placement"] = placement_forward(shapes)
         result["gpu"] = torch.cuda.get_device_name()
         if args.json:
             with open(args.json, "w") as fh:

@@ -238,9 +238,10 @@ class _Launches:
 @pytest.mark.parametrize("dtype, width, options", [(BF16, 4, "seq_idx"), (F32, 3, "states"), (F16, 2, "states")])
 def test_forced_forward_kernel(cc, device, shapes, gen, monkeypatch, kernel, layout, dtype, width, options):
     monkeypatch.setattr(cc.forward, "FORWARD_KERNEL", kernel)
-    name = "causal_conv1d_fwd_kernel" if kernel == "rows" else "causal_conv1d_fwd_tile_kernel"
-    launches = _Launches(getattr(cc.forward, name))
-    monkeypatch.setattr(cc.forward, name, launches)  # the interpreter's path; a GPU goes through `_tuned`
+    if not CUDA:  # the interpreter launches the kernel itself; a GPU goes through the autotuner in `_tuned`
+        name = "causal_conv1d_fwd_kernel" if kernel == "rows" else "causal_conv1d_fwd_tile_kernel"
+        launches = _Launches(getattr(cc.forward, name))
+        monkeypatch.setattr(cc.forward, name, launches)
     batch, dim, seqlen = shape = shapes["main"]
     x = make_x(gen, shape, dtype, device, layout == "channel_last")
     weight = torch.randn(dim, width, generator=gen).to(device, dtype)
@@ -252,7 +253,44 @@ def test_forced_forward_kernel(cc, device, shapes, gen, monkeypatch, kernel, lay
     else:
         check_fn(cc, x, weight, bias, h0=h0, return_final_states=True, activation="silu", gen=gen)
     tuned = "tile-cl" if (kernel, layout) == ("tile", "channel_last") else kernel
-    assert launches.count == 1 if not CUDA else (tuned, x.element_size()) in cc.forward._tuned
+    assert (tuned, x.element_size()) in cc.forward._tuned if CUDA else launches.count == 1
+
+
+@pytest.mark.parametrize("dtype, width", [(BF16, 4), (F32, 3)])
+def test_each_row_config(cc, device, shapes, gen, monkeypatch, dtype, width):
+    # The autotuner picks one config per shape and GPU: every other one must be right too (on a GPU each shipped
+    # config in turn; under the interpreter its one small config), with initial and final states and packed
+    # sequences (the halo rows of each program, the last program's final states).
+    batch, dim, seqlen = shape = shapes["long"]
+    x = make_x(gen, shape, dtype, device, True)
+    weight = torch.randn(dim, width, generator=gen).to(device, dtype)
+    h0 = torch.randn(batch, dim, width - 1, generator=gen).to(device, dtype)
+    seq_idx = make_seq_idx(batch, seqlen, width, device)
+    tuner = cc.forward._tuned_kernel("rows", x.element_size()) if CUDA else None
+    for config in tuner.configs if CUDA else [None]:
+        if CUDA:
+            monkeypatch.setattr(tuner, "configs", [config])
+            monkeypatch.setattr(tuner, "cache", {})
+        check_fn(cc, x, weight, h0=h0, return_final_states=True, activation="silu", gen=gen)
+        check_fn(cc, x, weight, seq_idx=seq_idx, h0=h0, activation="silu", gen=gen)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # numpy, interpreter
+def test_silu_over_the_whole_float32_range(cc, device):
+    # On a GPU the sigmoid comes from approximate PTX (forward._sigmoid): it must saturate cleanly (silu(z) = z for
+    # large z, 0 for very negative z, never NaN) and keep float32 precision in between. Weight (0, 0, 0, 1) makes
+    # the conv the identity, so y = silu(x) exactly in the reference.
+    z = [0.0, 1e-30, 1e-3, 0.5, 1.0, 3.0, 10.0, 20.0, 60.0, 87.0, 89.0, 100.0, 1e4, 1e30, 3e38]
+    values = torch.tensor(z + [-v for v in z], dtype=torch.float64)
+    # (B, D, L) = (2, 3, 30), channel-last: every channel holds all the values along L.
+    x = values.reshape(1, -1, 1).expand(2, -1, 3).to(device, torch.float32).contiguous().transpose(1, 2)
+    weight = torch.tensor([0.0, 0.0, 0.0, 1.0], device=device).expand(3, 4).contiguous()
+    y = cc.causal_conv1d_fn(x, weight, activation="silu").double().cpu()
+    ref = cc.causal_conv1d_ref(x.double(), weight.double(), activation="silu").cpu()
+    assert torch.isfinite(y).all(), f"non-finite silu at z = {x.cpu()[~torch.isfinite(y)].tolist()}"
+    # Below ~1e-37 float32 has only subnormals, which the approximate instructions flush to 0.
+    bad = (y - ref).abs() > 1e-5 * ref.abs() + 1e-36
+    assert not bad.any(), f"silu off at z = {x.cpu()[bad].tolist()}: {y[bad].tolist()} vs {ref[bad].tolist()}"
 
 
 def test_forward_kernel_setting_is_checked(cc, device, gen, monkeypatch):

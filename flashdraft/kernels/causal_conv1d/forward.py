@@ -46,13 +46,35 @@ def _empty_like_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch
 # @jit library functions (tl.sigmoid, tl.sum, tl.zeros, ...) when triton was first imported without
 # TRITON_INTERPRET, as happens when another module imported it before this package.
 @triton.jit
-def _sigmoid(z):
-    return 1.0 / (1.0 + tl.exp(-z))
+def _add(a, b):
+    return a + b
+
+
+# Triton reads TRITON_INTERPRET when `@triton.jit` runs, i.e. when this module is imported: the kernels of this
+# package are then interpreted (and run on CPU tensors) instead of compiled.
+INTERPRET = not isinstance(_add, triton.runtime.JITFunction)
+# Compiled kernels take SiLU's sigmoid from approximate PTX instructions (the interpreter runs no PTX).
+_FAST_SIGMOID = tl.constexpr(not INTERPRET)
 
 
 @triton.jit
-def _add(a, b):
-    return a + b
+def _sigmoid(z):
+    """1 / (1 + exp(-z)) in float32. Compiled, 4 instructions where `tl.exp` and `/` compile to 12 with their range
+    checks: the same ex2.approx that tl.exp uses and rcp.approx (1 ulp), both flushing subnormals, which changes
+    nothing here (the denominator is >= 1; exp(-z) below 2^-126 only meets 1 + exp(-z) = 1). SiLU's instructions,
+    not memory, set the channel-last forward's speed on the H200 (bench/NOTES.md, 2026-12-04)."""
+    if _FAST_SIGMOID:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 t; mul.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; add.f32 t, t, 0f3F800000; "
+            "rcp.approx.ftz.f32 $0, t; }",
+            "=r,r",
+            [z],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        return 1.0 / (1.0 + tl.exp(-z))
 
 
 @triton.jit
@@ -322,11 +344,6 @@ def causal_conv1d_fwd_tile_kernel(
             _store_final_states(p_x, p_h0, p_ht, L, stride_xl, stride_h0w, stride_htw, m_d, W, HAS_H0)
 
 
-# Triton reads TRITON_INTERPRET when `@triton.jit` runs, i.e. when this module is imported: the kernels above are
-# then interpreted (and run on CPU tensors) instead of compiled.
-INTERPRET = not isinstance(causal_conv1d_fwd_kernel, triton.runtime.JITFunction)
-
-
 def _prune_by_width(configs, named_args, **kwargs):
     # Blocks much wider than D only mask lanes off; keep the narrowest config at least.
     cap = max(triton.next_power_of_2(named_args["D"]), min(c.kwargs["BLOCK_D"] for c in configs))
@@ -350,8 +367,8 @@ def _row_configs(vec: int) -> list[triton.Config]:
         # above give one program per 256+ channels that walks all 16 rows (9 us at D=10240 on the H200).
         c({"BLOCK_D": vec * 32, "SUB_L": 4, "N_SUB": 1}, num_warps=1, num_stages=1),
         c({"BLOCK_D": vec * 32, "SUB_L": 8, "N_SUB": 1}, num_warps=1, num_stages=1),
-        # Narrower programs (4 or 2 elements per thread): more of them per SM when B * L is small, as Dao's 64-channel
-        # tiles are. Unmeasured yet; prediction in bench/NOTES.md ((1, 8192) >= 3000 GB/s, (8, 8192) unchanged).
+        # Narrower programs (4 or 2 elements per thread): more of them per SM when B * L is small. Fastest at
+        # (1, 8192) and (4, 4096) on the H200 until SiLU got cheaper (bench/NOTES.md, sessions 9 and 11).
         c({"BLOCK_D": vec * 16, "SUB_L": 16, "N_SUB": 4}, num_warps=1, num_stages=1),
         c({"BLOCK_D": vec * 8, "SUB_L": 16, "N_SUB": 4}, num_warps=1, num_stages=1),
     ]
