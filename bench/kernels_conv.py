@@ -334,26 +334,33 @@ def _time_each_config(tuner, configs, shipped, case: str, fn, relerr, nbytes: in
     return rows
 
 
+def _forward_cases(shapes):
+    """Per forward shape: (case name, x channel-last bf16, its float32 reference, flashdraft's forward on x, the bytes
+    it moves (x read, y written)); the same seeded weight for all."""
+    from flashdraft.kernels import causal_conv1d_fn
+
+    torch.manual_seed(0)
+    w = (torch.randn(D, W, device=DEVICE) * 0.5).bfloat16()
+    for batch, seqlen in shapes:
+        x = torch.randn(batch, seqlen, D, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+        ref = torch_conv_fn(x.float(), w.float(), None, "silu")
+        fn = lambda x=x: causal_conv1d_fn(x, w, None, activation="silu")  # noqa: E731
+        yield f"B={batch} L={seqlen} channel_last", x, ref, fn, 2 * x.numel() * x.element_size()
+        del x, ref, fn
+
+
 def sweep_forward_configs(shapes=FWD_SHAPES, repeat: int = 3) -> list[dict]:
     """The rows kernel with each of its autotune configs fixed (the tuner given that one config), channel-last x."""
-    from flashdraft.kernels import causal_conv1d_fn
     from flashdraft.kernels.causal_conv1d import forward
 
     tuner = forward._tuned_kernel("rows", 2)
     shipped = list(tuner.configs)
     configs = shipped + [c for c in SWEEP_CANDIDATES if c not in shipped]
-    torch.manual_seed(0)
-    w = (torch.randn(D, W, device=DEVICE) * 0.5).bfloat16()
     rows = []
     try:
-        for batch, seqlen in shapes:
-            x = torch.randn(batch, seqlen, D, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
-            ref = torch_conv_fn(x.float(), w.float(), None, "silu")
-            fn = lambda x=x: causal_conv1d_fn(x, w, None, activation="silu")  # noqa: E731
-            case = f"B={batch} L={seqlen} channel_last"
+        for case, _, ref, fn, nbytes in _forward_cases(shapes):
             rows += _time_each_config(tuner, configs, shipped, case, fn, lambda fn=fn, ref=ref: _relerr(fn(), ref),
-                                      2 * x.numel() * x.element_size(), repeat)  # fmt: skip
-            del x, ref
+                                      nbytes, repeat)  # fmt: skip
     finally:
         tuner.configs, tuner.cache = shipped, {}
     return rows
@@ -390,20 +397,13 @@ def placement_forward(shapes=FWD_SHAPES, shifts_kib=PLACEMENT_SHIFTS_KIB) -> lis
     """The shipped forward at each channel-last shape with y written at several distances from x: y is a view of
     one buffer, moved by `shift` KiB, so only the output's placement changes between rows (does the rows kernel's
     speed depend on where y lies relative to x, as its spread between rounds at (8, 8192) suggests?)."""
-    from flashdraft.kernels import causal_conv1d_fn
     from flashdraft.kernels.causal_conv1d import forward
 
     allocate = forward._empty_like_output
-    torch.manual_seed(0)
-    w = (torch.randn(D, W, device=DEVICE) * 0.5).bfloat16()
     rows = []
     try:
-        for batch, seqlen in shapes:
-            x = torch.randn(batch, seqlen, D, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
-            ref = torch_conv_fn(x.float(), w.float(), None, "silu")
-            nbytes = 2 * x.numel() * x.element_size()
+        for case, x, ref, fn, nbytes in _forward_cases(shapes):
             buf = torch.empty(x.numel() + max(shifts_kib) * 512, dtype=torch.bfloat16, device=DEVICE)
-            fn = lambda x=x: causal_conv1d_fn(x, w, None, activation="silu")  # noqa: E731
             for shift in shifts_kib:
                 start = shift * 512  # elements of 2 bytes
 
@@ -413,14 +413,14 @@ def placement_forward(shapes=FWD_SHAPES, shifts_kib=PLACEMENT_SHIFTS_KIB) -> lis
 
                 forward._empty_like_output = at_shift
                 y = fn()
-                row = {"case": f"B={batch} L={seqlen} channel_last", "shift_KiB": shift,
+                row = {"case": case, "shift_KiB": shift,
                        "y_minus_x_MiB": (y.data_ptr() - x.data_ptr()) / 2**20, "relerr": _relerr(y, ref)}  # fmt: skip
                 del y
                 row["GBps"] = nbytes / _median_ms(fn) / 1e6
                 print(f"{row['case']:28s} y shifted {shift:8d} KiB (y - x = {row['y_minus_x_MiB']:10.3f} MiB) "
                       f"{row['GBps']:6.0f} GB/s  relerr {row['relerr']:.1e}", flush=True)  # fmt: skip
                 rows.append(row)
-            del x, ref, buf
+            del x, buf
     finally:
         forward._empty_like_output = allocate
     return rows
