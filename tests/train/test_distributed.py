@@ -103,7 +103,10 @@ def test_weights_and_optimizer_moments_match_one_process(one_proc, two_procs):
     d1, o1 = _state(one_proc, 4, "train.grad_accum=2")
     d2, o2 = _state(out, 4)
     for (name, p1), (_, p2) in zip(d1.named_parameters(), d2.named_parameters(), strict=True):
-        torch.testing.assert_close(p2, p1, rtol=1e-5, atol=1e-6, msg=name)
+        # atol 3% of one step's lr (3e-4): Adam divides by sqrt(v), so a last-bit gradient difference in an element
+        # whose gradient is near zero moves that element by a visible fraction of lr (1.06e-6 seen on a 2-core CI
+        # machine, 2026-12-04); a wrong split of the data moves most elements by O(lr).
+        torch.testing.assert_close(p2, p1, rtol=1e-5, atol=1e-5, msg=name)
         m1, m2 = o1.state[p1]["exp_avg"], o2.state[p2]["exp_avg"]
         assert m1.abs().max() > 0, name
         assert (m2 - m1).norm() <= 1e-4 * m1.norm(), name
