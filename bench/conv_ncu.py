@@ -72,7 +72,7 @@ def _parse_config(spec: str):
 
 
 def workload(configs: list[str], manifest_path: str, activation: str | None = "silu") -> None:
-    """The profiled program: per shape, a copy, each flashdraft config and Dao, each called once inside the
+    """The profiled program: per shape, y = -x (the reference), each flashdraft config and Dao, each called once inside the
     profiler's window (after a warm-up call outside it). Writes the launches, in order, to manifest_path."""
     from flashdraft.kernels import causal_conv1d_fn
     from flashdraft.kernels.causal_conv1d import forward
