@@ -7,8 +7,8 @@ its bytes faster than another (DRAM bytes, DRAM throughput, occupancy, waves, st
 runs itself under `ncu --clock-control none` (the clocks left as they are, see the device's METHOD.md), profiling
 only the measured calls (compilation and autotuning run outside the profiler's window), and prints a table. It
 writes DIR/conv_ncu.json (every metric of every kernel); the report and its CSV pages go to --work (a temporary
-folder unless given). A config is BLOCK_D/SUB_L/N_SUB/warps; "autotuned" is the shipped autotuner's choice. --activation none times the kernel without
-SiLU (what the activation costs). The reference for bytes per second is an elementwise torch kernel over the same
+folder unless given). A config is BLOCK_D/SUB_L/N_SUB/warps; "autotuned" is the shipped autotuner's choice.
+--activation none times the kernel without SiLU (what the activation costs). The reference for bytes per second is an elementwise torch kernel over the same
 bytes (y = -x; a plain copy_ is a cudaMemcpy, no kernel, invisible to ncu). Each kernel is replayed with caches
 flushed before every pass, as do_bench flushes L2 before every call.
 """
@@ -72,8 +72,8 @@ def _parse_config(spec: str):
 
 
 def workload(configs: list[str], manifest_path: str, activation: str | None = "silu") -> None:
-    """The profiled program: per shape, y = -x (the reference), each flashdraft config and Dao, each called once inside the
-    profiler's window (after a warm-up call outside it). Writes the launches, in order, to manifest_path."""
+    """The profiled program: per shape, y = -x (the reference), each flashdraft config and Dao, each called once
+    inside the profiler's window (after a warm-up call outside it). Writes the launches, in order, to manifest_path."""
     from flashdraft.kernels import causal_conv1d_fn
     from flashdraft.kernels.causal_conv1d import forward
 
