@@ -384,9 +384,11 @@ def sweep_backward_configs(shapes=FWD_SHAPES, repeat: int = 3) -> list[dict]:
             dx_ref = torch.autograd.grad(torch_conv_fn(xf, w.detach().float(), None, "silu"), xf, dy.float())[0]
             y = causal_conv1d_fn(x, w, None, activation="silu")
             fn = lambda y=y, x=x, dy=dy: torch.autograd.grad(y, (x, w), dy, retain_graph=True)  # noqa: E731
+            relerr = lambda fn=fn, ref=dx_ref: _relerr(fn()[0], ref)  # noqa: E731
             case = f"B={batch} L={seqlen} backward"
-            rows += _time_each_config(tuner, shipped, shipped, case, fn, lambda fn=fn, ref=dx_ref: _relerr(fn()[0], ref),
-                                      3 * x.numel() * x.element_size(), repeat)  # fmt: skip
+            rows += _time_each_config(
+                tuner, shipped, shipped, case, fn, relerr, 3 * x.numel() * x.element_size(), repeat
+            )
             del x, dy, xf, dx_ref, y
     finally:
         tuner.configs, tuner.cache = shipped, {}
