@@ -1,7 +1,9 @@
-"""Data-parallel training on N GPUs (NCCL) checked against one GPU, on the embedded target in bf16.
+"""Data-parallel training on N GPUs (NCCL) checked against one GPU, on the bundled target in bf16.
 
-    python bench/dist_gpu.py                 # all visible GPUs (at least 2); JSON in $OUT/dist_gpu.json
-    python bench/dist_gpu.py --smoke         # the same checks on the CPU with gloo and 2 processes
+    python -m bench.dist_gpu [--json OUT.json]      # all visible GPUs (at least 2)
+    python -m bench.dist_gpu --smoke                # the same checks on the CPU with gloo and 2 processes
+
+(from the repository root; each run is a `python -m flashdraft` subprocess, so flashdraft must be importable).
 
 What each row is (losses of `--steps` steps, one global batch = batch_size x grad_accum x ranks):
   parity       1 GPU with grad_accum=N vs N GPUs with grad_accum=1 (`flashdraft train --nproc N`): max relative
@@ -26,13 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 BASE = ["log.every=1", "data.eval_prompts=null", "target.dtype=bfloat16"]
 
 
 def _env(extra: Path | None = None) -> dict:
-    path = [str(ROOT)] + ([str(extra)] if extra else []) + [os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
+    """The subprocesses' environment; `extra` goes first on PYTHONPATH (a sitecustomize that injects a failure)."""
+    path = ([str(extra)] if extra else []) + [os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p), "PYTHONUNBUFFERED": "1"}
 
 
 def flashdraft(args: list[str], nproc: int | None, env: dict | None = None, timeout: int = 300):
@@ -66,11 +68,10 @@ def main() -> int:
     ap.add_argument("--nproc", type=int, default=None, help="GPUs (default: all visible)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 processes, 4 steps")
+    ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     import torch
 
-    out_dir = Path(os.environ.get("OUT", "bench/results"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         nproc, steps, device = 2, 4, ["train.device=cpu", "target.dtype=float32"]
     else:
@@ -134,14 +135,16 @@ def main() -> int:
     rows.append(("error", f"exit {run.returncode} after {te:.0f} s", f"rank 1's message shown: {message}"))
 
     shutil.rmtree(work, ignore_errors=True)
-    (out_dir / "dist_gpu.json").write_text(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
     ok = (result["parity"]["rel_diff"] < 2e-2 and result["resume"]["rel_diff"] < 2e-2 and result["shard"]["rel_diff"]
           < 2e-2 and off_diff < 1e-3 and run.returncode != 0 and message)  # fmt: skip
     print(f"\nflashdraft data parallel: {nproc} x {result['gpu'] or 'CPU'} ({'smoke' if args.smoke else 'NCCL'}), "
           f"{steps} steps")  # fmt: skip
     for name, a, b in rows:
         print(f"  {name:<12} {a:<36} {b}")
-    print("OK" if ok else "FAILED", f"(JSON: {out_dir / 'dist_gpu.json'})")
+    print(("OK" if ok else "FAILED") + (f" (JSON: {args.json})" if args.json else ""))
     return 0 if ok else 1
 
 

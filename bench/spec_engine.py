@@ -1,4 +1,4 @@
-"""P7: the speculative-decoding engine against transformers eager and the reference `dflash_generate`, one run.
+"""The speculative-decoding engine against transformers eager and the reference `dflash_generate`, one run.
 
 On a Qwen3.5-27B-shaped random bf16 target (64 layers: 48 Gated DeltaNet + 16 gated attention, vocab 248320;
 `--layers` for a slice) and a random 5-layer DFlash drafter with the target's sizes, batch 1, at contexts 1024
@@ -8,12 +8,13 @@ and 8192, measures:
   engine    flashdraft.spec.engine with CUDA graphs: decode step, verify 16, draft, commit, and a full round
             (draft + verify + acceptance + exact rollback + the one host read), as `generate` runs it
   checks    engine logits vs transformers' on the same weights (prefill and a decode step); DFlash output vs the
-            engine's own autoregressive greedy output (bf16)
-Goals: P7a decode step <= 25 ms (1024) and <= 30 ms (8192); P7b round <= 1.3x our decode step.
-Random drafts are rejected, so a round keeps one token: its cost is that of every round (fixed shapes).
+            engine's own autoregressive greedy output (bf16), with the logits at the first difference (near-tie?)
+Random drafts are rejected, so a round keeps one token: its cost is that of every round (fixed shapes). The ratio
+round / decode step is what speculative decoding must beat: a round that keeps tau tokens on average is a speed-up
+over autoregressive decoding when tau > round / decode.
 
-Run (H200, repo root):  python3 bench/spec_engine.py            # table last, JSON in $OUT/spec_engine.json
-           CPU check:   python bench/spec_engine.py --smoke      # tiny hybrid target, graphs off
+Run (a GPU, from the repository root):  python -m bench.spec_engine [--json OUT.json]    # table last
+           CPU check:                   python -m bench.spec_engine --smoke                # tiny hybrid target
 """
 
 from __future__ import annotations
@@ -23,30 +24,22 @@ import datetime
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.timing import events_ms
 
 CONTEXTS = (1024, 8192)
 SMOKE_CONTEXTS = (24, 80)
 BLOCK = 16
 ROUNDS = 8  # rounds per timed call of the round measurement
-# Variants for A/B runs (--variants): what each turns off.
-VARIANTS = {
-    "no commit overlap": {"overlap_commit": False},
-    "no attention chunks": {"attention_chunk": 0},
-}
 
 
 def timed_ms(fn, iters: int, warmup: int = 2) -> float:
     """Median ms of `fn()` (CUDA events, synchronised per call; perf_counter on a CPU)."""
     if torch.cuda.is_available():
-        from bench.timing import events_ms
-
         return events_ms(fn, iters=iters, warmup=warmup)
     for _ in range(warmup):
         fn()
@@ -246,22 +239,6 @@ def near_tie(engine, ids: torch.Tensor, greedy: list[int], spec: list[int], j: i
     }  # fmt: skip
 
 
-def variant_numbers(target, drafter, ids, graphs, iters, overlap_commit=True, attention_chunk=None) -> dict:
-    """engine_numbers with some of the engine's levers off (a fresh engine; the switches are put back)."""
-    from flashdraft.spec.engine import loop, ops
-    from flashdraft.spec.engine.target import TargetEngine
-
-    saved = TargetEngine.overlap_commit, ops.ATTENTION_CHUNK
-    TargetEngine.overlap_commit = overlap_commit
-    ops.ATTENTION_CHUNK = ops.ATTENTION_CHUNK if attention_chunk is None else attention_chunk
-    try:
-        loop.drop_session(target)
-        return engine_numbers(target, drafter, ids, graphs, iters)
-    finally:
-        TargetEngine.overlap_commit, ops.ATTENTION_CHUNK = saved
-        loop.drop_session(target)
-
-
 @torch.inference_mode()
 def checks(target, drafter, ids: torch.Tensor, graphs: bool) -> dict:
     """Engine vs transformers logits on the same weights; DFlash vs the engine's own greedy decoding."""
@@ -302,7 +279,7 @@ def checks(target, drafter, ids: torch.Tensor, graphs: bool) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny hybrid target on the CPU, graphs off")
     ap.add_argument("--layers", type=int, default=64, help="target layers (a multiple of 4; 64 = the 27B)")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per measurement")
@@ -313,16 +290,13 @@ def main() -> None:
         default=None,
         help=f"context length to measure (repeatable; default {' and '.join(map(str, CONTEXTS))})",
     )
-    ap.add_argument("--json", default=None, help="default: $OUT/spec_engine.json")
+    ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--profile", action="store_true", help="GPU time by kernel of each step, per context")
-    ap.add_argument("--variants", action="store_true", help=f"also the engine without: {', '.join(VARIANTS)}")
     a = ap.parse_args()
     if a.layers % 4:
         raise SystemExit(f"--layers must be a multiple of 4 (3 linear + 1 full attention), got {a.layers}")
     if not a.smoke and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --smoke for the CPU check")
-    out_dir = Path(os.environ.get("OUT", "bench/results/local"))
-    out_path = Path(a.json) if a.json else out_dir / "spec_engine.json"
     contexts = a.context or (SMOKE_CONTEXTS if a.smoke else CONTEXTS)
     iters = a.iters or (3 if a.smoke else 10)
     graphs = not a.smoke
@@ -351,7 +325,10 @@ def main() -> None:
         row = {"hf": hf_anchor(target, ids, iters)}
         print(ctx, row, flush=True)
         if reference is not None:
-            row["dflash_reference"] = dflash_anchor(reference, target, ids, rounds=iters)
+            try:
+                row["dflash_reference"] = dflash_anchor(reference, target, ids, rounds=iters)
+            except Exception as exc:  # noqa: BLE001 - an anchor that fails on this stack is reported, not fatal
+                row["dflash_reference"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             print(ctx, row["dflash_reference"], flush=True)
         row["engine"] = engine_numbers(target, drafter, ids, graphs, iters)
         print(ctx, row["engine"], flush=True)
@@ -360,16 +337,13 @@ def main() -> None:
 
             sess = loop.current_session(target)
             row["profile"] = kernel_profile(sess.engine, sess.runner(drafter))
-        if a.variants:
-            row["variants"] = {name: variant_numbers(target, drafter, ids, graphs, iters, **switches)
-                               for name, switches in VARIANTS.items()}  # fmt: skip
-            print(ctx, row["variants"], flush=True)
         report["contexts"][ctx] = row
     report["checks"] = checks(target, drafter, torch.randint(0, vocab, (1, contexts[0]), generator=g).to(device),
                               graphs)  # fmt: skip
     report["seconds"] = time.perf_counter() - t0
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=1))
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(report, indent=1))
     print_table(report, a.smoke)
     for ctx, row in report["contexts"].items():
         if "profile" in row:
@@ -397,22 +371,19 @@ def print_table(report: dict, smoke: bool) -> None:
     row("transformers eager decode step (anchor)", lambda r: r["hf"]["decode_ms"])
     row("transformers eager verify 16 (anchor)", lambda r: r["hf"]["verify16_ms"])
     row("dflash_generate round (anchor)", lambda r: r["dflash_reference"]["round_ms"])
-    row("**engine decode step** (P7a: <= 25 / 30)", lambda r: r["engine"]["decode_ms"])
+    row("**engine decode step**", lambda r: r["engine"]["decode_ms"])
     row("engine verify 16", lambda r: r["engine"]["verify16_ms"])
     row("engine draft (drafter + LM head on 15 rows)", lambda r: r["engine"]["draft_ms"])
     row("engine commit (exact rollback)", lambda r: r["engine"]["commit_ms"])
     row("**engine round** (draft + verify + accept + commit + read)", lambda r: r["engine"]["round_ms"])
-    row("round / engine decode step (P7b: <= 1.3)", lambda r: r["engine"]["round_ms"] / r["engine"]["decode_ms"])
-    for name in VARIANTS:
-        row(f"round / decode, {name}",
-            lambda r, n=name: r["variants"][n]["round_ms"] / r["variants"][n]["decode_ms"])  # fmt: skip
-        row(f"verify 16 / round, {name} (ms)",
-            lambda r, n=name: f"{r['variants'][n]['verify16_ms']:.2f} / {r['variants'][n]['round_ms']:.2f}",
-            "{}")  # fmt: skip
+    row("round / engine decode step", lambda r: r["engine"]["round_ms"] / r["engine"]["decode_ms"])
     row("engine decode speedup vs transformers", lambda r: r["hf"]["decode_ms"] / r["engine"]["decode_ms"], "{:.1f}x")
     row("engine round speedup vs dflash_generate",
         lambda r: r["dflash_reference"]["round_ms"] / r["engine"]["round_ms"], "{:.1f}x")  # fmt: skip
     for ctx in ctxs:
+        failed = report["contexts"][ctx].get("dflash_reference", {}).get("error")
+        if failed:
+            print(f"ctx {ctx}: the dflash_generate anchor failed on this stack: {failed}")
         engine = report["contexts"][ctx]["engine"]
         if not smoke and not engine["captured"]:
             print(f"WARNING ctx {ctx}: CUDA graphs were not captured ({engine['capture_error']}): eager engine timings")

@@ -1,19 +1,20 @@
-"""Speculative decoding on a GPU-sized random hybrid target: `flashdraft eval` end to end + the rollback cost.
+"""Speculative decoding on a GPU-sized random hybrid target: `flashdraft eval` end to end, and the rollback cost.
 
 1. Builds a Qwen3.5-0.8B-shaped random bf16 target (24 layers, 18 linear-attention, vocab 248320) with a small
    byte-level BPE tokenizer trained on the Python standard library, and a random 5-layer DFlash drafter; saves both.
-2. Runs `flashdraft eval` on code prefixes (greedy, block 16): tau, speedups, JSON and PNG.
+2. Runs `flashdraft eval` on code prefixes (greedy, block 16), with transformers (`--engine off`) and/or flashdraft's
+   engine (`--engine on`): tau, speed-ups, JSON and PNG. A random drafter is rejected every round (tau = 1), so
+   this measures the harness and the cost of a round against a decode step, not a drafter.
 3. Times, on a Qwen3.5-27B-shaped target (first 16 layers, random bf16) at context 1024: one decode step,
    a 16-token verify forward, and the exact rollback (snapshot + restore of conv/recurrent states and the KV crop)
-   that flashdraft.spec does per round. Scaled to 64 layers in the printout (x4).
-Run: python bench/spec_gpu.py --out DIR
+   that the plain generation loop pays per round. Scale by 4 for the 64-layer model.
+Run on a GPU, from the repository root: python -m bench.spec_gpu --out DIR [--engine off --engine on]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import sysconfig
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.target_forward import qwen35_27b_config
+from bench.timing import events_ms
 
 
 def build_tokenizer(out: Path, vocab_size: int = 4000):
@@ -87,8 +89,6 @@ def eval_run(out: Path, max_new_tokens: int, engines=("off",)) -> dict:
 def rollback_cost(context: int = 1024, layers: int = 16) -> dict:
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
 
-    from bench.target_forward import qwen35_27b_config
-    from bench.timing import events_ms
     from flashdraft import fastpath
     from flashdraft.spec import state
 
@@ -124,10 +124,10 @@ def rollback_cost(context: int = 1024, layers: int = 16) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="/tmp/spec_gpu")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="folder for the target, drafter, prompts, eval JSON/PNG, spec_gpu.json")
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--skip-rollback", action="store_true", help="only the eval part (rollback recorded 2026-12-02)")
+    ap.add_argument("--skip-rollback", action="store_true", help="only the eval part")
     ap.add_argument(
         "--engine",
         action="append",
@@ -136,6 +136,8 @@ def main() -> None:
         help="eval with transformers (off) and/or flashdraft's engine (on); repeatable (default: off)",
     )
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.spec_gpu needs a CUDA device")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {} if a.skip_rollback else {"rollback": rollback_cost()}
