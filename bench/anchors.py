@@ -1,9 +1,9 @@
 """The implementations flashdraft is measured against, in the call signatures of transformers' Qwen3.5 module.
 
-  torch_conv_fn / torch_conv_update   transformers' torch fallback of the causal conv (what runs when neither fla
-                                      nor causal-conv1d is installed), same semantics
-  fla_kernels()                       fla's Triton conv and chunk gated delta rule, wrapped to replace
-                                      `modeling_qwen3_5.causal_conv1d_fn` / `torch_chunk_gated_delta_rule`
+torch_conv_fn / torch_conv_update   transformers' torch fallback of the causal conv (what runs when neither fla
+                                    nor causal-conv1d is installed), same semantics
+fla_kernels()                       fla's Triton conv and chunk gated delta rule, wrapped to replace
+                                    `modeling_qwen3_5.causal_conv1d_fn` / `torch_chunk_gated_delta_rule`
 """
 
 from __future__ import annotations
@@ -41,9 +41,28 @@ def fla_kernels():
     def conv(x, weight, bias=None, activation=None, **_):
         return fla_conv(x.transpose(1, 2), weight, bias, activation=activation)[0].transpose(1, 2)
 
-    def gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
-                         use_qk_l2norm_in_kernel=False, cu_seqlens=None, **_):  # fmt: skip
-        return fla_chunk(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
-                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)  # fmt: skip
+    def gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        cu_seqlens=None,
+        **_,
+    ):
+        return fla_chunk(
+            q,
+            k,
+            v,
+            g=g,
+            beta=beta,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            cu_seqlens=cu_seqlens,
+        )
 
     return conv, gated_delta_rule

@@ -17,7 +17,7 @@ def restrict_to_sm90(source: str, path: str) -> str:
     first = source.find('cc_flag.append("-gencode")')
     archs = list(re.finditer(r'cc_flag\.append\("arch=compute_\d+a?,code=sm_\d+a?"\)', source))
     if first < 0 or not archs:
-        raise SystemExit(f"{path}: no cc_flag.append(\"-gencode\") list found (causal-conv1d 1.6.1 to 1.7.0 have one)")
+        raise SystemExit(f'{path}: no cc_flag.append("-gencode") list found (causal-conv1d 1.6.1 to 1.7.0 have one)')
     return source[:first] + 'cc_flag += ["-gencode", "arch=compute_90,code=sm_90"]' + source[archs[-1].end() :]
 
 

@@ -102,8 +102,13 @@ def workload(configs: list[str], manifest_path: str, activation: str | None = "s
         measure("torch y = -x", lambda x=x, y=y: torch.neg(x, out=y), "elementwise", shape, nbytes)
         for spec in configs:
             tuner.configs, tuner.cache = (shipped if spec == "autotuned" else [_parse_config(spec)]), {}
-            measure(f"flashdraft {spec}", lambda x=x: causal_conv1d_fn(x, w, None, activation=activation),
-                    "causal_conv1d_fwd_kernel", shape, nbytes)  # fmt: skip
+            measure(
+                f"flashdraft {spec}",
+                lambda x=x: causal_conv1d_fn(x, w, None, activation=activation),
+                "causal_conv1d_fwd_kernel",
+                shape,
+                nbytes,
+            )
             if spec == "autotuned":
                 best = tuner.best_config
                 manifest[-1]["label"] += " = " + "/".join(str(v) for v in (*best.kwargs.values(), best.num_warps))
@@ -232,8 +237,9 @@ def main() -> None:
     for page in ("details", "raw"):
         pages[page] = os.path.join(work, f"conv_{page}.csv")
         with open(pages[page], "w") as f:
-            subprocess.run([ncu, "-i", rep + ".ncu-rep", "--csv", "--page", page, "--print-units", "base"],
-                           stdout=f, check=True)  # fmt: skip
+            subprocess.run(
+                [ncu, "-i", rep + ".ncu-rep", "--csv", "--page", page, "--print-units", "base"], stdout=f, check=True
+            )
     with open(manifest_path) as f:
         rows = read_report(pages["details"], pages["raw"], json.load(f))
     print_table(rows)

@@ -80,8 +80,16 @@ def main() -> int:
             raise SystemExit(f"needs at least 2 GPUs, {nproc} visible (or --smoke)")
     work = Path(tempfile.mkdtemp(prefix="dist_gpu-"))
     common = [*BASE, *device, f"train.max_steps={steps}", f"log.checkpoint_every={steps // 2}", "train.batch_size=2"]
-    rows, result = [], {"nproc": nproc, "steps": steps, "smoke": args.smoke, "torch": torch.__version__,
-                        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}  # fmt: skip
+    rows, result = (
+        [],
+        {
+            "nproc": nproc,
+            "steps": steps,
+            "smoke": args.smoke,
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
+    )
 
     one, many = work / "one", work / "many"
     run, t1 = flashdraft(["train", "--out", str(one), *common, f"train.grad_accum={nproc}"], None)
@@ -89,11 +97,22 @@ def main() -> int:
     run, tn = flashdraft(["train", "--out", str(many), *common, "train.grad_accum=1"], nproc)
     check(run, f"{nproc} GPUs")
     m1, mn = metrics(one), metrics(many)
-    result["parity"] = {"rel_diff": rel_diff(m1, mn), "tok_s_1": tok_s(m1), "tok_s_n": tok_s(mn),
-                        "losses_1": [r["loss"] for r in m1], "losses_n": [r["loss"] for r in mn],
-                        "wall_1": t1, "wall_n": tn}  # fmt: skip
-    rows.append(("parity", f"max rel loss diff {result['parity']['rel_diff']:.1e}",
-                 f"tok/s 1 rank {result['parity']['tok_s_1']:.0f}, {nproc} ranks {result['parity']['tok_s_n']:.0f}"))  # fmt: skip
+    result["parity"] = {
+        "rel_diff": rel_diff(m1, mn),
+        "tok_s_1": tok_s(m1),
+        "tok_s_n": tok_s(mn),
+        "losses_1": [r["loss"] for r in m1],
+        "losses_n": [r["loss"] for r in mn],
+        "wall_1": t1,
+        "wall_n": tn,
+    }
+    rows.append(
+        (
+            "parity",
+            f"max rel loss diff {result['parity']['rel_diff']:.1e}",
+            f"tok/s 1 rank {result['parity']['tok_s_1']:.0f}, {nproc} ranks {result['parity']['tok_s_n']:.0f}",
+        )
+    )
 
     resumed = work / "resumed"
     shutil.copytree(many, resumed)
@@ -107,7 +126,9 @@ def main() -> int:
     run, _ = flashdraft(["train", "--out", str(shard), *common, "train.grad_accum=1", "target.shard=true"], nproc)
     check(run, "target.shard")
     result["shard"] = {"rel_diff": rel_diff(m1, metrics(shard)), "tok_s": tok_s(metrics(shard))}
-    rows.append(("shard", f"max rel loss diff {result['shard']['rel_diff']:.1e}", f"tok/s {result['shard']['tok_s']:.0f}"))
+    rows.append(
+        ("shard", f"max rel loss diff {result['shard']['rel_diff']:.1e}", f"tok/s {result['shard']['tok_s']:.0f}")
+    )
 
     feats, online, offline = work / "features", work / "online", work / "offline"
     small = [*BASE, *device, "train.max_steps=4", "train.batch_size=1", f"log.out={work / 'frun'}"]
@@ -138,10 +159,18 @@ def main() -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
-    ok = (result["parity"]["rel_diff"] < 2e-2 and result["resume"]["rel_diff"] < 2e-2 and result["shard"]["rel_diff"]
-          < 2e-2 and off_diff < 1e-3 and run.returncode != 0 and message)  # fmt: skip
-    print(f"\nflashdraft data parallel: {nproc} x {result['gpu'] or 'CPU'} ({'smoke' if args.smoke else 'NCCL'}), "
-          f"{steps} steps")  # fmt: skip
+    ok = (
+        result["parity"]["rel_diff"] < 2e-2
+        and result["resume"]["rel_diff"] < 2e-2
+        and result["shard"]["rel_diff"] < 2e-2
+        and off_diff < 1e-3
+        and run.returncode != 0
+        and message
+    )
+    print(
+        f"\nflashdraft data parallel: {nproc} x {result['gpu'] or 'CPU'} ({'smoke' if args.smoke else 'NCCL'}), "
+        f"{steps} steps"
+    )
     for name, a, b in rows:
         print(f"  {name:<12} {a:<36} {b}")
     print(("OK" if ok else "FAILED") + (f" (JSON: {args.json})" if args.json else ""))

@@ -275,8 +275,11 @@ def _time_each_config(tuner, case: str, fn, relerr, nbytes: int, repeat: int) ->
         got = sorted(row["samples_GBps"])
         row["GBps"] = got[len(got) // 2]
         rounds = ", ".join(f"{g:.0f}" for g in row["samples_GBps"])
-        print(f"{row['case']:28s} {row['config']:55s} {row['GBps']:6.0f} GB/s (rounds {rounds})  "
-              f"relerr {row['relerr']:.1e}", flush=True)  # fmt: skip
+        print(
+            f"{row['case']:28s} {row['config']:55s} {row['GBps']:6.0f} GB/s (rounds {rounds})  "
+            f"relerr {row['relerr']:.1e}",
+            flush=True,
+        )
     return rows
 
 

@@ -72,8 +72,11 @@ def build(smoke: bool, layers: int):
     with torch.device(device):
         # Weights are initialised where they live, in bf16 (transformers' normal init; seconds for 27B on a GPU).
         target = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
-        drafter = DFlashDraftModel.from_target(cfg, num_layers=5 if not smoke else 2, block_size=BLOCK,
-                                               mask_token_id=mask).to(dtype).eval()  # fmt: skip
+        drafter = (
+            DFlashDraftModel.from_target(cfg, num_layers=5 if not smoke else 2, block_size=BLOCK, mask_token_id=mask)
+            .to(dtype)
+            .eval()
+        )
     reference = None
     try:
         import dflash
@@ -120,8 +123,9 @@ def dflash_anchor(reference, target, ids: torch.Tensor, rounds: int) -> dict:
 def engine_numbers(target, drafter, ids: torch.Tensor, graphs: bool, iters: int) -> dict:
     from flashdraft.spec.engine import loop
 
-    sess = loop.session(target, ids.shape[1] + (ROUNDS + 4) * (iters + 2) + 4 * BLOCK, BLOCK,
-                        list(drafter.target_layer_ids), graphs)  # fmt: skip
+    sess = loop.session(
+        target, ids.shape[1] + (ROUNDS + 4) * (iters + 2) + 4 * BLOCK, BLOCK, list(drafter.target_layer_ids), graphs
+    )
     engine, runner = sess.engine, sess.runner(drafter)
     logits = engine.prefill(ids[0])
     runner.prefill(engine.prompt_features)
@@ -164,8 +168,12 @@ def kernel_profile(engine, runner) -> dict:
 
     cuda = engine.device.type == "cuda"
     saved = engine.length.clone(), runner.context.clone(), runner.pending.clone(), engine.num_tokens
-    steps = {"decode": engine.steps["decode"].fn, "verify16": engine.steps["verify"].fn,
-             "draft": runner.step.fn, "commit": engine.steps["commit"].fn}  # fmt: skip
+    steps = {
+        "decode": engine.steps["decode"].fn,
+        "verify16": engine.steps["verify"].fn,
+        "draft": runner.step.fn,
+        "commit": engine.steps["commit"].fn,
+    }
     engine.keep.fill_(1)
     out = {}
     for name, fn in steps.items():
@@ -183,19 +191,26 @@ def print_profile(ctx: int, profile: dict) -> None:
     print(f"\n#### ctx {ctx}: GPU time by kernel family, eager steps (ms; kernel count in brackets)")
     print("| family | " + " | ".join(steps) + " |")
     print("|---|" + "---|" * len(steps))
-    families = sorted({f for p in profile.values() for f in p["families"]},
-                      key=lambda f: -profile["verify16"]["families"].get(f, {"ms": 0})["ms"])  # fmt: skip
+    families = sorted(
+        {f for p in profile.values() for f in p["families"]},
+        key=lambda f: -profile["verify16"]["families"].get(f, {"ms": 0})["ms"],
+    )
     for fam in families:
         cells = []
         for st in steps:
             got = profile[st]["families"].get(fam)
             cells.append(f"{got['ms']:.3f} ({got['count']})" if got else "-")
         print(f"| {fam} | " + " | ".join(cells) + " |")
-    print("| **sum of kernel times** | " + " | ".join(f"{profile[s]['gpu_ms']:.3f} ({profile[s]['kernels']})"
-                                                     for s in steps) + " |")  # fmt: skip
+    print(
+        "| **sum of kernel times** | "
+        + " | ".join(f"{profile[s]['gpu_ms']:.3f} ({profile[s]['kernels']})" for s in steps)
+        + " |"
+    )
     for st in ("decode", "verify16"):
-        print(f"top kernels, {st}: " + "; ".join(f"{t['name'][:60]} x{t['count']} {t['ms']:.3f}"
-                                                  for t in profile[st]["top"][:8]))  # fmt: skip
+        print(
+            f"top kernels, {st}: "
+            + "; ".join(f"{t['name'][:60]} x{t['count']} {t['ms']:.3f}" for t in profile[st]["top"][:8])
+        )
 
 
 @torch.inference_mode()
@@ -231,12 +246,19 @@ def near_tie(engine, ids: torch.Tensor, greedy: list[int], spec: list[int], j: i
     decode_gap = float(decoded[mine] - decoded[theirs])
     verify_gap = float(verified[theirs] - verified[mine])
     return {
-        "position": j, "greedy_token": mine, "dflash_token": theirs,
-        "decode_top2": d_top, "decode_margin": d_margin, "verify_top2": v_top, "verify_margin": v_margin,
-        "decode_gap": decode_gap, "verify_gap": verify_gap,
-        "max_abs_logit_diff": diff, "logit_scale": float(decoded.abs().max()),
+        "position": j,
+        "greedy_token": mine,
+        "dflash_token": theirs,
+        "decode_top2": d_top,
+        "decode_margin": d_margin,
+        "verify_top2": v_top,
+        "verify_margin": v_margin,
+        "decode_gap": decode_gap,
+        "verify_gap": verify_gap,
+        "max_abs_logit_diff": diff,
+        "logit_scale": float(decoded.abs().max()),
         "near_tie": max(decode_gap, verify_gap) <= diff,
-    }  # fmt: skip
+    }
 
 
 @torch.inference_mode()
@@ -338,8 +360,9 @@ def main() -> None:
             sess = loop.current_session(target)
             row["profile"] = kernel_profile(sess.engine, sess.runner(drafter))
         report["contexts"][ctx] = row
-    report["checks"] = checks(target, drafter, torch.randint(0, vocab, (1, contexts[0]), generator=g).to(device),
-                              graphs)  # fmt: skip
+    report["checks"] = checks(
+        target, drafter, torch.randint(0, vocab, (1, contexts[0]), generator=g).to(device), graphs
+    )
     report["seconds"] = time.perf_counter() - t0
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
@@ -354,8 +377,10 @@ def print_table(report: dict, smoke: bool) -> None:
     ctxs = list(report["contexts"])
     scale = "" if smoke or report["target_layers"] == 64 else f" (a {report['target_layers']}-layer slice, not scaled)"
     what = "tiny hybrid target, CPU, graphs off (smoke)" if smoke else f"Qwen3.5-27B-shaped random bf16{scale}"
-    print(f"\n### spec engine — {what}; batch 1, block {BLOCK}; {report['device']}, torch {report['torch']}, "
-          f"transformers {report['transformers']}")  # fmt: skip
+    print(
+        f"\n### spec engine — {what}; batch 1, block {BLOCK}; {report['device']}, torch {report['torch']}, "
+        f"transformers {report['transformers']}"
+    )
     print("| ms | " + " | ".join(f"ctx {c}" for c in ctxs) + " |")
     print("|---|" + "---|" * len(ctxs))
 
@@ -378,8 +403,11 @@ def print_table(report: dict, smoke: bool) -> None:
     row("**engine round** (draft + verify + accept + commit + read)", lambda r: r["engine"]["round_ms"])
     row("round / engine decode step", lambda r: r["engine"]["round_ms"] / r["engine"]["decode_ms"])
     row("engine decode speedup vs transformers", lambda r: r["hf"]["decode_ms"] / r["engine"]["decode_ms"], "{:.1f}x")
-    row("engine round speedup vs dflash_generate",
-        lambda r: r["dflash_reference"]["round_ms"] / r["engine"]["round_ms"], "{:.1f}x")  # fmt: skip
+    row(
+        "engine round speedup vs dflash_generate",
+        lambda r: r["dflash_reference"]["round_ms"] / r["engine"]["round_ms"],
+        "{:.1f}x",
+    )
     for ctx in ctxs:
         failed = report["contexts"][ctx].get("dflash_reference", {}).get("error")
         if failed:
@@ -388,17 +416,21 @@ def print_table(report: dict, smoke: bool) -> None:
         if not smoke and not engine["captured"]:
             print(f"WARNING ctx {ctx}: CUDA graphs were not captured ({engine['capture_error']}): eager engine timings")
     c = report["checks"]
-    print(f"checks: engine vs transformers logits rel. err. prefill {c['prefill_logits_rel_err']:.2e}, decode "
-          f"{c['decode_logits_rel_err']:.2e}, same argmax {c['same_argmax']}; DFlash ({c['backend']}) == engine "
-          f"greedy over {c['greedy_tokens']} tokens: {c['dflash_equals_engine_greedy']} "
-          f"(first difference {c['first_difference_at']}); {report['seconds']:.0f} s in all")  # fmt: skip
+    print(
+        f"checks: engine vs transformers logits rel. err. prefill {c['prefill_logits_rel_err']:.2e}, decode "
+        f"{c['decode_logits_rel_err']:.2e}, same argmax {c['same_argmax']}; DFlash ({c['backend']}) == engine "
+        f"greedy over {c['greedy_tokens']} tokens: {c['dflash_equals_engine_greedy']} "
+        f"(first difference {c['first_difference_at']}); {report['seconds']:.0f} s in all"
+    )
     if c.get("first_difference"):
         t = c["first_difference"]
-        print(f"first difference at token {t['position']}: greedy {t['greedy_token']}, DFlash {t['dflash_token']}; "
-              f"decode top-2 {t['decode_top2']} (margin {t['decode_margin']:.4f}), verify top-2 {t['verify_top2']} "
-              f"(margin {t['verify_margin']:.4f}); gap between the two tokens: decode {t['decode_gap']:.4f}, verify "
-              f"{t['verify_gap']:.4f}; max |decode - verify| logit {t['max_abs_logit_diff']:.4f} of "
-              f"{t['logit_scale']:.2f} -> near-tie: {t['near_tie']}")  # fmt: skip
+        print(
+            f"first difference at token {t['position']}: greedy {t['greedy_token']}, DFlash {t['dflash_token']}; "
+            f"decode top-2 {t['decode_top2']} (margin {t['decode_margin']:.4f}), verify top-2 {t['verify_top2']} "
+            f"(margin {t['verify_margin']:.4f}); gap between the two tokens: decode {t['decode_gap']:.4f}, verify "
+            f"{t['verify_gap']:.4f}; max |decode - verify| logit {t['max_abs_logit_diff']:.4f} of "
+            f"{t['logit_scale']:.2f} -> near-tie: {t['near_tie']}"
+        )
 
 
 if __name__ == "__main__":

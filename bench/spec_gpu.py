@@ -35,8 +35,9 @@ def build_tokenizer(out: Path, vocab_size: int = 4000):
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train([str(f) for f in files], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
     fast.save_pretrained(out)
@@ -56,11 +57,21 @@ def eval_run(out: Path, max_new_tokens: int, engines=("off",)) -> dict:
     tdir, ddir = out / "target", out / "drafter"
     tokenizer, prompts = build_tokenizer(tdir)
     cfg = Qwen3_5TextConfig(
-        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+        vocab_size=248320,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         target = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -74,10 +85,30 @@ def eval_run(out: Path, max_new_tokens: int, engines=("off",)) -> dict:
     reports = {}
     for engine in engines:
         name = "eval" if engine == "off" else f"eval_{engine}"
-        cmd = [sys.executable, "-m", "flashdraft", "eval", "--target", str(tdir), "--drafter", str(ddir),
-               "--prompts", str(out / "prompts.jsonl"), "--limit", "4", "--max-new-tokens", str(max_new_tokens),
-               "--ignore-eos", "--engine", engine, "--json", str(out / f"{name}.json"), "--plot",
-               str(out / f"{name}.png"), "--no-progress"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "flashdraft",
+            "eval",
+            "--target",
+            str(tdir),
+            "--drafter",
+            str(ddir),
+            "--prompts",
+            str(out / "prompts.jsonl"),
+            "--limit",
+            "4",
+            "--max-new-tokens",
+            str(max_new_tokens),
+            "--ignore-eos",
+            "--engine",
+            engine,
+            "--json",
+            str(out / f"{name}.json"),
+            "--plot",
+            str(out / f"{name}.png"),
+            "--no-progress",
+        ]
         print("$ " + " ".join(cmd), flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         print(proc.stdout[-6000:], proc.stderr[-3000:], sep="\n", flush=True)
@@ -117,15 +148,18 @@ def rollback_cost(context: int = 1024, layers: int = 16) -> dict:
         res["restore_ms"] = events_ms(lambda: state.restore(cache, snap))
         res["verify16_plus_restore_ms"] = events_ms(verify)
         res["decode1_plus_restore_ms"] = events_ms(decode)
-        res["snapshot_bytes"] = sum(t.numel() * t.element_size() for d in (snap.conv, snap.recurrent)
-                                    for t in d.values())  # fmt: skip
+        res["snapshot_bytes"] = sum(
+            t.numel() * t.element_size() for d in (snap.conv, snap.recurrent) for t in d.values()
+        )
     res.update(context=context, layers=layers)
     return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="folder for the target, drafter, prompts, eval JSON/PNG, spec_gpu.json")
+    ap.add_argument(
+        "--out", required=True, help="folder for the target, drafter, prompts, eval JSON/PNG, spec_gpu.json"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--skip-rollback", action="store_true", help="only the eval part")
     ap.add_argument(
@@ -147,9 +181,11 @@ def main() -> None:
     if a.skip_rollback:
         return
     r = result["rollback"]
-    print(f"rollback (27B-shaped, {r['layers']} layers, ctx {r['context']}): snapshot {r['snapshot_ms']:.3f} ms, "
-          f"restore {r['restore_ms']:.3f} ms; verify16 {r['verify16_plus_restore_ms']:.2f} ms, "
-          f"decode1 {r['decode1_plus_restore_ms']:.2f} ms (x4 for 64 layers)")  # fmt: skip
+    print(
+        f"rollback (27B-shaped, {r['layers']} layers, ctx {r['context']}): snapshot {r['snapshot_ms']:.3f} ms, "
+        f"restore {r['restore_ms']:.3f} ms; verify16 {r['verify16_plus_restore_ms']:.2f} ms, "
+        f"decode1 {r['decode1_plus_restore_ms']:.2f} ms (x4 for 64 layers)"
+    )
 
 
 if __name__ == "__main__":

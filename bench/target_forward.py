@@ -26,11 +26,20 @@ def qwen35_27b_config(num_layers: int):
     from transformers import Qwen3_5TextConfig
 
     cfg = Qwen3_5TextConfig(
-        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=num_layers,
-        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
-        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=num_layers,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
         layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (num_layers // 4),
-    )  # fmt: skip
+    )
     cfg._attn_implementation = "sdpa"
     return cfg
 
@@ -59,8 +68,10 @@ def run(num_layers: int = 16, batch: int = 4, seq: int = 4096) -> list[dict]:
     try:
         from causal_conv1d import causal_conv1d_fn as dao
 
-        variants["fla_gdr+cuda_conv"] = (lambda x, w, b=None, activation=None, **_: dao(x, w, b, activation=activation),
-                                         fla_gdr)  # fmt: skip
+        variants["fla_gdr+cuda_conv"] = (
+            lambda x, w, b=None, activation=None, **_: dao(x, w, b, activation=activation),
+            fla_gdr,
+        )
     except Exception as exc:  # noqa: BLE001 - an anchor that is not installed is reported, not fatal
         print(f"(Dao causal-conv1d not importable: {exc})")
     forward = lambda: model.model(input_ids=ids, use_cache=False)
@@ -80,8 +91,14 @@ def run(num_layers: int = 16, batch: int = 4, seq: int = 4096) -> list[dict]:
         print(report)
         out = forward().last_hidden_state.float()
         ms = events_ms(forward, iters=5, warmup=1)
-        rows.append({"variant": "flashdraft", "ms": ms, "tok_s": batch * seq / ms * 1e3,
-                     "relerr_vs_torch": ((out - ref).norm() / ref.norm()).item()})  # fmt: skip
+        rows.append(
+            {
+                "variant": "flashdraft",
+                "ms": ms,
+                "tok_s": batch * seq / ms * 1e3,
+                "relerr_vs_torch": ((out - ref).norm() / ref.norm()).item(),
+            }
+        )
         print(rows[-1], flush=True)
         fastpath.disable(model)
     anchors = [r["tok_s"] for r in rows if r["variant"] in ("fla_gdr+fla_conv", "fla_gdr+cuda_conv")]
