@@ -1,16 +1,17 @@
-"""Hardware counters (Nsight Compute) of the channel-last conv forward at issue 2's P1 shapes, each flashdraft
-row-walk config beside Dao's CUDA kernel (when importable) and a plain copy of the same bytes: why one kernel moves
-its bytes faster than another (DRAM bytes, DRAM throughput, occupancy, waves, stalls).
+"""Hardware counters (Nsight Compute) of the channel-last conv forward at the shapes bench.kernels_conv times, each
+flashdraft row-walk config beside Dao's CUDA kernel (when importable) and an elementwise kernel over the same bytes:
+why one kernel moves its bytes faster than another (DRAM bytes, DRAM throughput, occupancy, waves, stalls).
 
-  python3 bench/conv_ncu.py --out DIR [--configs autotuned,64/16/4/1,...]
+  python -m bench.conv_ncu --out DIR [--configs autotuned,64/16/4/1,...]     (from the repository root)
 
-runs itself under `ncu --clock-control none` (the clocks left as they are, see the device's METHOD.md), profiling
-only the measured calls (compilation and autotuning run outside the profiler's window), and prints a table. It
-writes DIR/conv_ncu.json (every metric of every kernel); the report and its CSV pages go to --work (a temporary
-folder unless given). A config is BLOCK_D/SUB_L/N_SUB/warps; "autotuned" is the shipped autotuner's choice.
---activation none times the kernel without SiLU (what the activation costs). The reference for bytes per second is an elementwise torch kernel over the same
-bytes (y = -x; a plain copy_ is a cudaMemcpy, no kernel, invisible to ncu). Each kernel is replayed with caches
-flushed before every pass, as do_bench flushes L2 before every call.
+runs itself under `ncu --clock-control none` (the GPU's clocks left as they are, as in every other benchmark here),
+profiling only the measured calls (compilation and autotuning run outside the profiler's window), and prints a
+table. It writes DIR/conv_ncu.json (every metric of every kernel); the report and its CSV pages go to --work (a
+temporary folder unless given). A config is BLOCK_D/SUB_L/N_SUB/warps; "autotuned" is the shipped autotuner's
+choice. --activation none times the kernel without SiLU (what the activation costs). The reference for bytes per
+second is an elementwise torch kernel over the same bytes (y = -x; a plain copy_ is a cudaMemcpy, no kernel,
+invisible to ncu). Each kernel is replayed with caches flushed before every pass, as do_bench flushes L2 before
+every call.
 """
 
 from __future__ import annotations
@@ -26,9 +27,7 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.kernels_conv import FWD_SHAPES, D, W  # noqa: E402
+from bench.kernels_conv import FWD_SHAPES, D, W
 
 SECTIONS = [
     "SpeedOfLight",
@@ -103,8 +102,13 @@ def workload(configs: list[str], manifest_path: str, activation: str | None = "s
         measure("torch y = -x", lambda x=x, y=y: torch.neg(x, out=y), "elementwise", shape, nbytes)
         for spec in configs:
             tuner.configs, tuner.cache = (shipped if spec == "autotuned" else [_parse_config(spec)]), {}
-            measure(f"flashdraft {spec}", lambda x=x: causal_conv1d_fn(x, w, None, activation=activation),
-                    "causal_conv1d_fwd_kernel", shape, nbytes)  # fmt: skip
+            measure(
+                f"flashdraft {spec}",
+                lambda x=x: causal_conv1d_fn(x, w, None, activation=activation),
+                "causal_conv1d_fwd_kernel",
+                shape,
+                nbytes,
+            )
             if spec == "autotuned":
                 best = tuner.best_config
                 manifest[-1]["label"] += " = " + "/".join(str(v) for v in (*best.kwargs.values(), best.num_warps))
@@ -213,14 +217,14 @@ def main() -> None:
         return workload(configs, args.workload, None if args.activation == "none" else args.activation)
     ncu = shutil.which("ncu")
     if ncu is None or not torch.cuda.is_available():
-        sys.exit("bench/conv_ncu.py needs a CUDA device and Nsight Compute's `ncu` on PATH")
+        sys.exit("bench.conv_ncu needs a CUDA device and Nsight Compute's `ncu` on PATH")
     os.makedirs(args.out, exist_ok=True)
     work = args.work or tempfile.mkdtemp(prefix="conv_ncu_")
     os.makedirs(work, exist_ok=True)
     rep, manifest_path = os.path.join(work, "conv"), os.path.join(work, "manifest.json")
     profile = [ncu, "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", rep]
     profile += [a for s in SECTIONS for a in ("--section", s)]
-    me = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--configs", args.configs]
+    me = [sys.executable, "-m", "bench.conv_ncu", "--out", args.out, "--configs", args.configs]
     me += ["--activation", args.activation]
     me += ["--workload", manifest_path]
     done = subprocess.run(profile + ["--metrics", ",".join(METRICS)] + me)
@@ -233,8 +237,9 @@ def main() -> None:
     for page in ("details", "raw"):
         pages[page] = os.path.join(work, f"conv_{page}.csv")
         with open(pages[page], "w") as f:
-            subprocess.run([ncu, "-i", rep + ".ncu-rep", "--csv", "--page", page, "--print-units", "base"],
-                           stdout=f, check=True)  # fmt: skip
+            subprocess.run(
+                [ncu, "-i", rep + ".ncu-rep", "--csv", "--page", page, "--print-units", "base"], stdout=f, check=True
+            )
     with open(manifest_path) as f:
         rows = read_report(pages["details"], pages["raw"], json.load(f))
     print_table(rows)

@@ -1,7 +1,9 @@
-"""Data-parallel training on N GPUs (NCCL) checked against one GPU, on the embedded target in bf16.
+"""Data-parallel training on N GPUs (NCCL) checked against one GPU, on the bundled target in bf16.
 
-    python bench/dist_gpu.py                 # all visible GPUs (at least 2); JSON in $OUT/dist_gpu.json
-    python bench/dist_gpu.py --smoke         # the same checks on the CPU with gloo and 2 processes
+    python -m bench.dist_gpu [--json OUT.json]      # all visible GPUs (at least 2)
+    python -m bench.dist_gpu --smoke                # the same checks on the CPU with gloo and 2 processes
+
+(from the repository root; each run is a `python -m flashdraft` subprocess, so flashdraft must be importable).
 
 What each row is (losses of `--steps` steps, one global batch = batch_size x grad_accum x ranks):
   parity       1 GPU with grad_accum=N vs N GPUs with grad_accum=1 (`flashdraft train --nproc N`): max relative
@@ -26,13 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 BASE = ["log.every=1", "data.eval_prompts=null", "target.dtype=bfloat16"]
 
 
 def _env(extra: Path | None = None) -> dict:
-    path = [str(ROOT)] + ([str(extra)] if extra else []) + [os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
+    """The subprocesses' environment; `extra` goes first on PYTHONPATH (a sitecustomize that injects a failure)."""
+    path = ([str(extra)] if extra else []) + [os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p), "PYTHONUNBUFFERED": "1"}
 
 
 def flashdraft(args: list[str], nproc: int | None, env: dict | None = None, timeout: int = 300):
@@ -66,11 +68,10 @@ def main() -> int:
     ap.add_argument("--nproc", type=int, default=None, help="GPUs (default: all visible)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 processes, 4 steps")
+    ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     import torch
 
-    out_dir = Path(os.environ.get("OUT", "bench/results"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         nproc, steps, device = 2, 4, ["train.device=cpu", "target.dtype=float32"]
     else:
@@ -79,8 +80,16 @@ def main() -> int:
             raise SystemExit(f"needs at least 2 GPUs, {nproc} visible (or --smoke)")
     work = Path(tempfile.mkdtemp(prefix="dist_gpu-"))
     common = [*BASE, *device, f"train.max_steps={steps}", f"log.checkpoint_every={steps // 2}", "train.batch_size=2"]
-    rows, result = [], {"nproc": nproc, "steps": steps, "smoke": args.smoke, "torch": torch.__version__,
-                        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}  # fmt: skip
+    rows, result = (
+        [],
+        {
+            "nproc": nproc,
+            "steps": steps,
+            "smoke": args.smoke,
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
+    )
 
     one, many = work / "one", work / "many"
     run, t1 = flashdraft(["train", "--out", str(one), *common, f"train.grad_accum={nproc}"], None)
@@ -88,11 +97,22 @@ def main() -> int:
     run, tn = flashdraft(["train", "--out", str(many), *common, "train.grad_accum=1"], nproc)
     check(run, f"{nproc} GPUs")
     m1, mn = metrics(one), metrics(many)
-    result["parity"] = {"rel_diff": rel_diff(m1, mn), "tok_s_1": tok_s(m1), "tok_s_n": tok_s(mn),
-                        "losses_1": [r["loss"] for r in m1], "losses_n": [r["loss"] for r in mn],
-                        "wall_1": t1, "wall_n": tn}  # fmt: skip
-    rows.append(("parity", f"max rel loss diff {result['parity']['rel_diff']:.1e}",
-                 f"tok/s 1 rank {result['parity']['tok_s_1']:.0f}, {nproc} ranks {result['parity']['tok_s_n']:.0f}"))  # fmt: skip
+    result["parity"] = {
+        "rel_diff": rel_diff(m1, mn),
+        "tok_s_1": tok_s(m1),
+        "tok_s_n": tok_s(mn),
+        "losses_1": [r["loss"] for r in m1],
+        "losses_n": [r["loss"] for r in mn],
+        "wall_1": t1,
+        "wall_n": tn,
+    }
+    rows.append(
+        (
+            "parity",
+            f"max rel loss diff {result['parity']['rel_diff']:.1e}",
+            f"tok/s 1 rank {result['parity']['tok_s_1']:.0f}, {nproc} ranks {result['parity']['tok_s_n']:.0f}",
+        )
+    )
 
     resumed = work / "resumed"
     shutil.copytree(many, resumed)
@@ -106,7 +126,9 @@ def main() -> int:
     run, _ = flashdraft(["train", "--out", str(shard), *common, "train.grad_accum=1", "target.shard=true"], nproc)
     check(run, "target.shard")
     result["shard"] = {"rel_diff": rel_diff(m1, metrics(shard)), "tok_s": tok_s(metrics(shard))}
-    rows.append(("shard", f"max rel loss diff {result['shard']['rel_diff']:.1e}", f"tok/s {result['shard']['tok_s']:.0f}"))
+    rows.append(
+        ("shard", f"max rel loss diff {result['shard']['rel_diff']:.1e}", f"tok/s {result['shard']['tok_s']:.0f}")
+    )
 
     feats, online, offline = work / "features", work / "online", work / "offline"
     small = [*BASE, *device, "train.max_steps=4", "train.batch_size=1", f"log.out={work / 'frun'}"]
@@ -134,14 +156,24 @@ def main() -> int:
     rows.append(("error", f"exit {run.returncode} after {te:.0f} s", f"rank 1's message shown: {message}"))
 
     shutil.rmtree(work, ignore_errors=True)
-    (out_dir / "dist_gpu.json").write_text(json.dumps(result, indent=1))
-    ok = (result["parity"]["rel_diff"] < 2e-2 and result["resume"]["rel_diff"] < 2e-2 and result["shard"]["rel_diff"]
-          < 2e-2 and off_diff < 1e-3 and run.returncode != 0 and message)  # fmt: skip
-    print(f"\nflashdraft data parallel: {nproc} x {result['gpu'] or 'CPU'} ({'smoke' if args.smoke else 'NCCL'}), "
-          f"{steps} steps")  # fmt: skip
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    ok = (
+        result["parity"]["rel_diff"] < 2e-2
+        and result["resume"]["rel_diff"] < 2e-2
+        and result["shard"]["rel_diff"] < 2e-2
+        and off_diff < 1e-3
+        and run.returncode != 0
+        and message
+    )
+    print(
+        f"\nflashdraft data parallel: {nproc} x {result['gpu'] or 'CPU'} ({'smoke' if args.smoke else 'NCCL'}), "
+        f"{steps} steps"
+    )
     for name, a, b in rows:
         print(f"  {name:<12} {a:<36} {b}")
-    print("OK" if ok else "FAILED", f"(JSON: {out_dir / 'dist_gpu.json'})")
+    print(("OK" if ok else "FAILED") + (f" (JSON: {args.json})" if args.json else ""))
     return 0 if ok else 1
 
 

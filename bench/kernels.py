@@ -1,12 +1,15 @@
-"""The fast-path benchmark (issue P1-P3), anchors measured in the same run on the same GPU.
+"""The fast path's kernels on a GPU, each beside its anchors measured in the same run on the same inputs.
 
-  P1  causal_conv1d forward, D=10240, W=4, silu, bf16, channel-last, (B,L) in (1,8192), (4,4096), (8,8192):
-      flashdraft vs transformers' torch fallback, fla's Triton conv, Dao's CUDA causal-conv1d (when importable)
-  P2  causal_conv1d_update, B=64, D=10240, one token (us per call)
-  P3  Qwen3.5-27B-shaped target, first 16 layers, 4x4096 tokens: fastpath.enable vs the best anchor combination
-  plus the conv backward at the P1 shapes (GB/s beside fla's) and the machine's ceilings (copy GB/s, bf16 TFLOP/s).
+  conv forward   causal_conv1d, D=10240, W=4, silu, bf16, (B, L) in (1, 8192), (4, 4096), (8, 8192), x channel-last
+                 (and channel-first): flashdraft vs transformers' torch fallback, fla's Triton conv and Dao's CUDA
+                 causal-conv1d (when importable)
+  conv backward  the same shapes (dx and dweight)
+  conv update    causal_conv1d_update, B=64, D=10240, one token (microseconds per call)
+  target         a Qwen3.5-27B-shaped target's first 16 layers, 4 x 4096 tokens: `fastpath.enable` vs the best
+                 combination of fla and the conv anchors (bench/target_forward.py)
+and the machine's ceilings: device copy GB/s (read + write) and a large bf16 matmul's TFLOP/s.
 
-Run on a GPU: python bench/kernels.py --json OUT.json     (prints a table last; see bench/RESULTS.md)
+Run on a GPU, from the repository root: python -m bench.kernels --json OUT.json   (tables in bench/RESULTS.md)
 """
 
 from __future__ import annotations
@@ -14,13 +17,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import kernels_conv, target_forward
 
 
 def ceilings() -> dict:
@@ -61,11 +62,11 @@ def environment() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--skip-target", action="store_true", help="skip P3 (the 16-layer target forward)")
-    ap.add_argument("--repeat", type=int, default=3, help="P1: interleaved rounds per case (median, range)")
+    ap.add_argument("--skip-target", action="store_true", help="skip the 16-layer target forward")
+    ap.add_argument("--repeat", type=int, default=3, help="conv forward: interleaved rounds per case (median, range)")
     args = ap.parse_args()
-    from bench import kernels_conv, target_forward
-
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.kernels needs a CUDA device")
     result = {"env": environment(), "ceilings": ceilings()}
     print(result, flush=True)
     result["conv"] = kernels_conv.run_all(repeat=args.repeat)
@@ -82,7 +83,7 @@ def main() -> None:
     for r in result.get("target_forward", []):
         extra = f"  {r['vs_best_anchor']:.3f}x best anchor" if "vs_best_anchor" in r else ""
         print(
-            f"P3 {r['variant']:20s} {r['ms']:8.1f} ms {r['tok_s']:9.0f} tok/s relerr {r['relerr_vs_torch']:.1e}{extra}"
+            f"target {r['variant']:20s} {r['ms']:8.1f} ms {r['tok_s']:9.0f} tok/s relerr {r['relerr_vs_torch']:.1e}{extra}"
         )
 
 

@@ -3,7 +3,7 @@ Dao-AILab's CUDA causal-conv1d (when importable), all measured in one process on
 
   forward   bf16, D=10240, W=4, silu, x channel-last (B, L) in (1, 8192), (4, 4096), (8, 8192)
             GB/s = (x read + y written) / median time; flashdraft and Dao also with x channel-first.
-            --repeat N times each case N rounds, the providers interleaved within a round (drift between runs hits
+            --repeat N times each case N rounds, the providers interleaved within a round (drift during a run hits
             all of them alike): the median of the rounds, and their range; "host" is each provider's host time
             per call (launch path), flagged HOST-BOUND when it nears the kernel's
   backward  same shapes, bias None: GB/s = (x read + dy read + dx written) / median time of the backward alone
@@ -12,53 +12,31 @@ Dao-AILab's CUDA causal-conv1d (when importable), all measured in one process on
             as a decode step sees it) and triton.testing.do_bench (back-to-back calls)
 
   --sweep   instead: the forward's row-walk kernel at the channel-last shapes once per autotune config, each
-            config fixed (and the candidates in SWEEP_CANDIDATES, marked *), in --repeat interleaved rounds; every
-            round's GB/s is kept (is one config best everywhere, and is the spread between rounds the kernel's?)
+            config fixed, in --repeat interleaved rounds; every round's GB/s is kept (does the autotuner pick the
+            best config, and is the spread between rounds the kernel's?)
   --sweep-backward  the same for the backward's row-walk configs (whole backward timed, as in "backward" above)
-  --placement  instead (or also, with the sweeps): the shipped forward at the channel-last shapes with y at several
-            offsets from x (PLACEMENT_SHIFTS_KIB): does the speed depend on where the output lies?
 
 Every row carries its relative error (norm) against a float32 torch computation on the same inputs; a speed-up is
 reported only when both sides are correct (relerr <= 1e-2).
-Run on a GPU: python bench/kernels_conv.py [--json OUT.json] [--quick] [--repeat N]
-Called by bench/kernels.py as run_all() / print_table().
+Run on a GPU, from the repository root: python -m bench.kernels_conv [--json OUT.json] [--quick] [--repeat N]
+bench.kernels calls run_all() / print_table() as part of its run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
-import torch.nn.functional as F
-import triton
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.anchors import torch_conv_fn, torch_conv_update
 
 DEVICE = "cuda"
 D, W = 10240, 4
 FWD_SHAPES = [(1, 8192), (4, 4096), (8, 8192)]
 UPDATE_BATCH = 64
 RELERR_OK = 1e-2
-
-
-def torch_conv_fn(x, weight, bias=None, activation=None):
-    """transformers' torch fallback (modeling_qwen3_5.causal_conv1d_fn), same semantics."""
-    seqlen = x.shape[-1]
-    out = F.conv1d(x.to(weight.dtype), weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=x.shape[1])
-    out = out[..., :seqlen]
-    return (F.silu(out) if activation in ("silu", "swish") else out).to(x.dtype)
-
-
-def torch_conv_update(x, conv_state, weight, bias=None, activation=None):
-    """transformers' torch fallback (modeling_qwen3_5.causal_conv1d_update), same semantics."""
-    seqlen, state_len = x.shape[-1], conv_state.shape[-1]
-    xs = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
-    conv_state.copy_(xs[..., -state_len:])
-    out = F.conv1d(xs, weight.unsqueeze(1), bias, padding=0, groups=x.shape[1])[..., -seqlen:]
-    return (F.silu(out) if activation in ("silu", "swish") else out).to(x.dtype)
 
 
 def _providers() -> dict:
@@ -96,25 +74,6 @@ def _providers() -> dict:
     except Exception as exc:  # noqa: BLE001
         out["dao"] = f"not importable: {type(exc).__name__}: {str(exc)[:120]}"
     return out
-
-
-def _forced_forward(kernel: str):
-    """flashdraft's forward with `forward.FORWARD_KERNEL` forced: a candidate timed beside the shipped choice."""
-    from flashdraft.kernels import causal_conv1d_fn
-    from flashdraft.kernels.causal_conv1d import forward
-
-    def run(x, w, act):
-        saved, forward.FORWARD_KERNEL = forward.FORWARD_KERNEL, kernel
-        try:
-            return causal_conv1d_fn(x, w, None, activation=act)
-        finally:
-            forward.FORWARD_KERNEL = saved
-
-    return run
-
-
-# Forward-only candidates, on channel-last x: the tile kernel there (rows is what ships for that layout).
-FORWARD_CANDIDATES = {"flashdraft-tile": "tile"}
 
 
 def _relerr(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -188,9 +147,8 @@ def bench_forward(shapes=FWD_SHAPES, repeat: int = 1) -> list[dict]:
             ref = torch_conv_fn(x.float(), w.float(), None, "silu")
             nbytes = 2 * x.numel() * x.element_size()
             case = f"B={batch} L={seqlen} {layout}"
-            candidates = {n: (_forced_forward(k), None) for n, k in FORWARD_CANDIDATES.items()}
             case_rows, timed = [], []  # every provider's row; (row, fn) of those that run here
-            for name, prov in {**providers, **(candidates if layout == "channel_last" else {})}.items():
+            for name, prov in providers.items():
                 if layout == "channel_first" and name not in ("flashdraft", "dao"):
                     continue
                 row = {"case": case, "provider": name, "B": batch, "L": seqlen, "layout": layout}
@@ -303,23 +261,11 @@ def bench_update(batch: int = UPDATE_BATCH) -> list[dict]:
     return rows
 
 
-# Offsets of y (KiB) timed by --placement: within a DRAM page, across pages, channels and the 2 MiB allocator blocks.
-PLACEMENT_SHIFTS_KIB = [0, 1, 4, 64, 512, 1024, 2048, 3072, 65536 + 17]
-
-
-# Row-walk configs not shipped (not in forward._row_configs), timed by --sweep beside the shipped ones (marked *):
-# one more wide and one more narrow program, now that SiLU costs fewer instructions (bench/NOTES.md, session 11).
-SWEEP_CANDIDATES = [
-    triton.Config({"BLOCK_D": 128, "SUB_L": 16, "N_SUB": 8}, num_warps=1, num_stages=1),
-    triton.Config({"BLOCK_D": 256, "SUB_L": 16, "N_SUB": 16}, num_warps=2, num_stages=1),
-]
-
-
-def _time_each_config(tuner, configs, shipped, case: str, fn, relerr, nbytes: int, repeat: int) -> list[dict]:
-    """fn() timed with the autotuner given one config at a time, in `repeat` interleaved rounds; relerr() checks the
-    result of the config just run."""
-    rows = [{"case": case, "config": f"{c.kwargs} warps={c.num_warps}", "candidate": c not in shipped,
-             "samples_GBps": []} for c in configs]  # fmt: skip
+def _time_each_config(tuner, case: str, fn, relerr, nbytes: int, repeat: int) -> list[dict]:
+    """fn() timed with the autotuner given one of its configs at a time, in `repeat` interleaved rounds; relerr()
+    checks the result of the config just run. The caller puts the tuner's configs back."""
+    configs = list(tuner.configs)
+    rows = [{"case": case, "config": f"{c.kwargs} warps={c.num_warps}", "samples_GBps": []} for c in configs]
     for _ in range(repeat):
         for row, cfg in zip(rows, configs, strict=True):
             tuner.configs, tuner.cache = [cfg], {}
@@ -328,39 +274,34 @@ def _time_each_config(tuner, configs, shipped, case: str, fn, relerr, nbytes: in
     for row in rows:
         got = sorted(row["samples_GBps"])
         row["GBps"] = got[len(got) // 2]
-        print(f"{row['case']:28s} {row['config']:55s}{'*' if row['candidate'] else ' '}{row['GBps']:6.0f} GB/s "
-              f"(rounds {', '.join(f'{g:.0f}' for g in row['samples_GBps'])})  relerr {row['relerr']:.1e}",
-              flush=True)  # fmt: skip
+        rounds = ", ".join(f"{g:.0f}" for g in row["samples_GBps"])
+        print(
+            f"{row['case']:28s} {row['config']:55s} {row['GBps']:6.0f} GB/s (rounds {rounds})  "
+            f"relerr {row['relerr']:.1e}",
+            flush=True,
+        )
     return rows
-
-
-def _forward_cases(shapes):
-    """Per forward shape: (case name, x channel-last bf16, its float32 reference, flashdraft's forward on x, the bytes
-    it moves (x read, y written)); the same seeded weight for all."""
-    from flashdraft.kernels import causal_conv1d_fn
-
-    torch.manual_seed(0)
-    w = (torch.randn(D, W, device=DEVICE) * 0.5).bfloat16()
-    for batch, seqlen in shapes:
-        x = torch.randn(batch, seqlen, D, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
-        ref = torch_conv_fn(x.float(), w.float(), None, "silu")
-        fn = lambda x=x: causal_conv1d_fn(x, w, None, activation="silu")  # noqa: E731
-        yield f"B={batch} L={seqlen} channel_last", x, ref, fn, 2 * x.numel() * x.element_size()
-        del x, ref, fn
 
 
 def sweep_forward_configs(shapes=FWD_SHAPES, repeat: int = 3) -> list[dict]:
     """The rows kernel with each of its autotune configs fixed (the tuner given that one config), channel-last x."""
+    from flashdraft.kernels import causal_conv1d_fn
     from flashdraft.kernels.causal_conv1d import forward
 
     tuner = forward._tuned_kernel("rows", 2)
     shipped = list(tuner.configs)
-    configs = shipped + [c for c in SWEEP_CANDIDATES if c not in shipped]
+    torch.manual_seed(0)
+    w = (torch.randn(D, W, device=DEVICE) * 0.5).bfloat16()
     rows = []
     try:
-        for case, _, ref, fn, nbytes in _forward_cases(shapes):
-            rows += _time_each_config(tuner, configs, shipped, case, fn, lambda fn=fn, ref=ref: _relerr(fn(), ref),
-                                      nbytes, repeat)  # fmt: skip
+        for batch, seqlen in shapes:
+            x = torch.randn(batch, seqlen, D, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+            ref = torch_conv_fn(x.float(), w.float(), None, "silu")
+            fn = lambda x=x: causal_conv1d_fn(x, w, None, activation="silu")  # noqa: E731
+            relerr = lambda fn=fn, ref=ref: _relerr(fn(), ref)  # noqa: E731
+            case = f"B={batch} L={seqlen} channel_last"
+            rows += _time_each_config(tuner, case, fn, relerr, 2 * x.numel() * x.element_size(), repeat)
+            del x, ref
     finally:
         tuner.configs, tuner.cache = shipped, {}
     return rows
@@ -386,45 +327,10 @@ def sweep_backward_configs(shapes=FWD_SHAPES, repeat: int = 3) -> list[dict]:
             fn = lambda y=y, x=x, dy=dy: torch.autograd.grad(y, (x, w), dy, retain_graph=True)  # noqa: E731
             relerr = lambda fn=fn, ref=dx_ref: _relerr(fn()[0], ref)  # noqa: E731
             case = f"B={batch} L={seqlen} backward"
-            rows += _time_each_config(
-                tuner, shipped, shipped, case, fn, relerr, 3 * x.numel() * x.element_size(), repeat
-            )
+            rows += _time_each_config(tuner, case, fn, relerr, 3 * x.numel() * x.element_size(), repeat)
             del x, dy, xf, dx_ref, y
     finally:
         tuner.configs, tuner.cache = shipped, {}
-    return rows
-
-
-def placement_forward(shapes=FWD_SHAPES, shifts_kib=PLACEMENT_SHIFTS_KIB) -> list[dict]:
-    """The shipped forward at each channel-last shape with y written at several distances from x: y is a view of
-    one buffer, moved by `shift` KiB, so only the output's placement changes between rows (does the rows kernel's
-    speed depend on where y lies relative to x, as its spread between rounds at (8, 8192) suggests?)."""
-    from flashdraft.kernels.causal_conv1d import forward
-
-    allocate = forward._empty_like_output
-    rows = []
-    try:
-        for case, x, ref, fn, nbytes in _forward_cases(shapes):
-            buf = torch.empty(x.numel() + max(shifts_kib) * 512, dtype=torch.bfloat16, device=DEVICE)
-            for shift in shifts_kib:
-                start = shift * 512  # elements of 2 bytes
-
-                def at_shift(shape, dtype, device, channel_last=False, start=start, buf=buf):
-                    b, d, n = shape
-                    return buf[start : start + b * d * n].view(b, n, d).transpose(1, 2)
-
-                forward._empty_like_output = at_shift
-                y = fn()
-                row = {"case": case, "shift_KiB": shift,
-                       "y_minus_x_MiB": (y.data_ptr() - x.data_ptr()) / 2**20, "relerr": _relerr(y, ref)}  # fmt: skip
-                del y
-                row["GBps"] = nbytes / _median_ms(fn) / 1e6
-                print(f"{row['case']:28s} y shifted {shift:8d} KiB (y - x = {row['y_minus_x_MiB']:10.3f} MiB) "
-                      f"{row['GBps']:6.0f} GB/s  relerr {row['relerr']:.1e}", flush=True)  # fmt: skip
-                rows.append(row)
-            del x, buf
-    finally:
-        forward._empty_like_output = allocate
     return rows
 
 
@@ -474,18 +380,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the first forward/backward shape")
     ap.add_argument("--repeat", type=int, default=1, help="forward: interleaved rounds per case (median, range)")
     ap.add_argument("--sweep", action="store_true", help="the forward row kernel once per config (see above)")
-    ap.add_argument("--placement", action="store_true", help="the forward with y at several offsets (see above)")
     ap.add_argument("--sweep-backward", action="store_true", help="the backward row kernel once per config")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench/kernels_conv.py needs a CUDA device")
-    if args.sweep or args.placement or args.sweep_backward:
+        sys.exit("bench.kernels_conv needs a CUDA device")
+    if args.sweep or args.sweep_backward:
         shapes = FWD_SHAPES[:1] if args.quick else FWD_SHAPES
         result = {"sweep": sweep_forward_configs(shapes, args.repeat)} if args.sweep else {}
         if args.sweep_backward:
             result["sweep_backward"] = sweep_backward_configs(shapes, args.repeat)
-        if args.placement:
-            result["placement"] = placement_forward(shapes)
         result["gpu"] = torch.cuda.get_device_name()
         if args.json:
             with open(args.json, "w") as fh:

@@ -1,12 +1,13 @@
-"""The naive DFlash training step of shared/anchors/naive_train_step.py (the P4/P5 anchor), as a function.
+"""The naive DFlash training step: the anchor bench.train_step measures flashdraft against, as a function.
 
-Same work as the anchor script: the target's hidden states via `output_hidden_states` on the HF model, a 5-layer
-drafter with the target's sizes in plain bf16, a dense boolean mask with SDPA (K/V repeated to the query heads),
-full-vocabulary logits and plain cross-entropy, fused AdamW; the target runs fla's delta rule and fla's conv
-(`fla_kernels`). Changes: the sizes come from `Dims` (so `--smoke` runs it tiny on a CPU), and the step calls
-`mark(phase)` at the phase boundaries of `flashdraft.train.bench` — the loss and its backward are timed apart from
-the drafter's backward by differentiating the loss with respect to a detached copy of the drafter output first
-(the same kernels run; only the order of the two backward halves is fixed).
+What a straightforward trainer does with the recipe: the target's hidden states via `output_hidden_states` on the
+HF model (all of them held), a 5-layer drafter with the target's sizes in plain bf16, a dense boolean mask with SDPA
+(K/V repeated to the query heads), full-vocabulary logits and plain cross-entropy, fused AdamW; the target runs fla's
+delta rule and fla's conv (`bench.anchors.fla_kernels`), so the anchor is not slowed by transformers' torch fallbacks. The sizes
+come from `Dims` (so `--smoke` runs it tiny on a CPU), and the step calls `mark(phase)` at the phase boundaries of
+`flashdraft.train.bench`: the loss and its backward are timed apart from the drafter's backward by differentiating
+the loss with respect to a detached copy of the drafter output first (the same kernels run; only the order of the
+two backward halves is fixed).
 """
 
 from __future__ import annotations
@@ -101,26 +102,6 @@ class Drafter(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx, qpos, kpos, mask)
         return self.norm(x)
-
-
-def fla_kernels():
-    """fla's conv and chunk delta rule in the call signatures of transformers' module globals (the anchor's wrappers);
-    None when fla cannot run here."""
-    try:
-        from fla.modules.causal_conv1d import causal_conv1d as fconv
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fchunk
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not available", reported by the caller
-        print(f"fla unavailable: {exc}")
-        return None
-
-    def conv(x, w, b=None, activation=None, **kw):
-        return fconv(x.transpose(1, 2), w, b, activation=activation)[0].transpose(1, 2)
-
-    def gdr(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, **kw):
-        return fchunk(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
-                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)  # fmt: skip
-
-    return conv, gdr
 
 
 def make_step(target, drafter, optimizer, d: Dims, seq: int, device: str | torch.device, generator=None):

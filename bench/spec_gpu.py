@@ -1,19 +1,20 @@
-"""Speculative decoding on a GPU-sized random hybrid target: `flashdraft eval` end to end + the rollback cost.
+"""Speculative decoding on a GPU-sized random hybrid target: `flashdraft eval` end to end, and the rollback cost.
 
 1. Builds a Qwen3.5-0.8B-shaped random bf16 target (24 layers, 18 linear-attention, vocab 248320) with a small
    byte-level BPE tokenizer trained on the Python standard library, and a random 5-layer DFlash drafter; saves both.
-2. Runs `flashdraft eval` on code prefixes (greedy, block 16): tau, speedups, JSON and PNG.
+2. Runs `flashdraft eval` on code prefixes (greedy, block 16), with transformers (`--engine off`) and/or flashdraft's
+   engine (`--engine on`): tau, speed-ups, JSON and PNG. A random drafter is rejected every round (tau = 1), so
+   this measures the harness and the cost of a round against a decode step, not a drafter.
 3. Times, on a Qwen3.5-27B-shaped target (first 16 layers, random bf16) at context 1024: one decode step,
    a 16-token verify forward, and the exact rollback (snapshot + restore of conv/recurrent states and the KV crop)
-   that flashdraft.spec does per round. Scaled to 64 layers in the printout (x4).
-Run: python bench/spec_gpu.py --out DIR
+   that the plain generation loop pays per round. Scale by 4 for the 64-layer model.
+Run on a GPU, from the repository root: python -m bench.spec_gpu --out DIR [--engine off --engine on]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import sysconfig
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.target_forward import qwen35_27b_config
+from bench.timing import events_ms
 
 
 def build_tokenizer(out: Path, vocab_size: int = 4000):
@@ -33,8 +35,9 @@ def build_tokenizer(out: Path, vocab_size: int = 4000):
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train([str(f) for f in files], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
     fast.save_pretrained(out)
@@ -54,11 +57,21 @@ def eval_run(out: Path, max_new_tokens: int, engines=("off",)) -> dict:
     tdir, ddir = out / "target", out / "drafter"
     tokenizer, prompts = build_tokenizer(tdir)
     cfg = Qwen3_5TextConfig(
-        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+        vocab_size=248320,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         target = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -72,10 +85,30 @@ def eval_run(out: Path, max_new_tokens: int, engines=("off",)) -> dict:
     reports = {}
     for engine in engines:
         name = "eval" if engine == "off" else f"eval_{engine}"
-        cmd = [sys.executable, "-m", "flashdraft", "eval", "--target", str(tdir), "--drafter", str(ddir),
-               "--prompts", str(out / "prompts.jsonl"), "--limit", "4", "--max-new-tokens", str(max_new_tokens),
-               "--ignore-eos", "--engine", engine, "--json", str(out / f"{name}.json"), "--plot",
-               str(out / f"{name}.png"), "--no-progress"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "flashdraft",
+            "eval",
+            "--target",
+            str(tdir),
+            "--drafter",
+            str(ddir),
+            "--prompts",
+            str(out / "prompts.jsonl"),
+            "--limit",
+            "4",
+            "--max-new-tokens",
+            str(max_new_tokens),
+            "--ignore-eos",
+            "--engine",
+            engine,
+            "--json",
+            str(out / f"{name}.json"),
+            "--plot",
+            str(out / f"{name}.png"),
+            "--no-progress",
+        ]
         print("$ " + " ".join(cmd), flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         print(proc.stdout[-6000:], proc.stderr[-3000:], sep="\n", flush=True)
@@ -87,8 +120,6 @@ def eval_run(out: Path, max_new_tokens: int, engines=("off",)) -> dict:
 def rollback_cost(context: int = 1024, layers: int = 16) -> dict:
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
 
-    from bench.target_forward import qwen35_27b_config
-    from bench.timing import events_ms
     from flashdraft import fastpath
     from flashdraft.spec import state
 
@@ -117,17 +148,20 @@ def rollback_cost(context: int = 1024, layers: int = 16) -> dict:
         res["restore_ms"] = events_ms(lambda: state.restore(cache, snap))
         res["verify16_plus_restore_ms"] = events_ms(verify)
         res["decode1_plus_restore_ms"] = events_ms(decode)
-        res["snapshot_bytes"] = sum(t.numel() * t.element_size() for d in (snap.conv, snap.recurrent)
-                                    for t in d.values())  # fmt: skip
+        res["snapshot_bytes"] = sum(
+            t.numel() * t.element_size() for d in (snap.conv, snap.recurrent) for t in d.values()
+        )
     res.update(context=context, layers=layers)
     return res
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="/tmp/spec_gpu")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--out", required=True, help="folder for the target, drafter, prompts, eval JSON/PNG, spec_gpu.json"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--skip-rollback", action="store_true", help="only the eval part (rollback recorded 2026-12-02)")
+    ap.add_argument("--skip-rollback", action="store_true", help="only the eval part")
     ap.add_argument(
         "--engine",
         action="append",
@@ -136,6 +170,8 @@ def main() -> None:
         help="eval with transformers (off) and/or flashdraft's engine (on); repeatable (default: off)",
     )
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.spec_gpu needs a CUDA device")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {} if a.skip_rollback else {"rollback": rollback_cost()}
@@ -145,9 +181,11 @@ def main() -> None:
     if a.skip_rollback:
         return
     r = result["rollback"]
-    print(f"rollback (27B-shaped, {r['layers']} layers, ctx {r['context']}): snapshot {r['snapshot_ms']:.3f} ms, "
-          f"restore {r['restore_ms']:.3f} ms; verify16 {r['verify16_plus_restore_ms']:.2f} ms, "
-          f"decode1 {r['decode1_plus_restore_ms']:.2f} ms (x4 for 64 layers)")  # fmt: skip
+    print(
+        f"rollback (27B-shaped, {r['layers']} layers, ctx {r['context']}): snapshot {r['snapshot_ms']:.3f} ms, "
+        f"restore {r['restore_ms']:.3f} ms; verify16 {r['verify16_plus_restore_ms']:.2f} ms, "
+        f"decode1 {r['decode1_plus_restore_ms']:.2f} ms (x4 for 64 layers)"
+    )
 
 
 if __name__ == "__main__":

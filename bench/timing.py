@@ -30,13 +30,15 @@ KERNEL_FAMILIES = (
     # attention before GEMM: cuDNN's attention kernels carry "sm90_" in their names too
     ("attention", ("flash", "fmha", "sdpa", "attention")),
     ("GEMM", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "splitk", "sm90_", "cublas")),
-    ("delta rule (fla)", ("gated_delta", "fused_recurrent", "chunk_", "recompute_w_u", "solve_tril", "inverse", "kkt",
-                          "cumsum")),
+    (
+        "delta rule (fla)",
+        ("gated_delta", "fused_recurrent", "chunk_", "recompute_w_u", "solve_tril", "inverse", "kkt", "cumsum"),
+    ),
     ("conv (flashdraft)", ("causal_conv",)),
     ("norms", ("rms", "layer_norm", "norm_fwd", "layernorm", "l2norm")),
     ("softmax", ("softmax",)),
     ("copies / index", ("copy", "index", "cat", "gather", "scatter")),
-)  # fmt: skip
+)
 
 
 def kernel_family(name: str) -> str:

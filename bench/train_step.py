@@ -1,23 +1,25 @@
-"""P4/P5: one DFlash training step at Qwen3.5-27B scale on one GPU — flashdraft as shipped vs the naive trainer.
+"""One DFlash training step at Qwen3.5-27B scale on one GPU: flashdraft as shipped vs the naive trainer, same run.
 
-    python3 bench/train_step.py --seq 3072 --seq 32768 --out $OUT/train_step.json     # the H200 (~4-5 min)
-    python3 bench/train_step.py --seq 3072 --ablate                                   # + each lever switched off
-    python3 bench/train_step.py --smoke                                               # tiny, on a CPU
+    python -m bench.train_step --seq 3072 --seq 32768 --json train_step.json    # an H200: ~4-5 min warm
+    python -m bench.train_step --seq 3072 --ablate                              # + each lever switched off
+    python -m bench.train_step --smoke                                          # tiny, on a CPU
 
-One random Qwen3.5-27B-shaped target (bf16, built on the GPU, layers 0..61: the last captured layer is 61), then
-per sequence length, 512 anchors x 16, batch 1:
+(from the repository root). One random Qwen3.5-27B-shaped target (bf16, built on the GPU, layers 0..61: the last
+captured layer is 61), then per sequence length, 512 anchors x 16, batch 1:
   naive        bench/naive_train_step.py (the anchor): output_hidden_states, dense mask + SDPA, full-vocabulary
                logits + CE, bf16 drafter, fused AdamW; target on fla's delta rule + fla's conv
   flashdraft   `flashdraft.train.loop.train_step` itself, on a `Setup` around the same model: FrozenTarget (hooks,
-               truncated, `fastpath.enable`), FlexAttention block mask, chunked linear CE, compiled drafter layers,
-               fp32 master weights under bf16 autocast, fused AdamW — the defaults of `train.*` on CUDA
+               truncated, `fastpath.enable`, its glue compiled), FlexAttention block mask, chunked linear CE,
+               compiled drafter layers, fp32 master weights under bf16 autocast, fused AdamW: the defaults of
+               `train.*` and `target.*` on CUDA
   --ablate     adds flashdraft with train.compile=false, and with train.attention=sdpa too (what each lever buys),
                and times the target's forward with cuDNN attention first
   --try K=V    adds flashdraft with one more override (repeatable), e.g. --try target.cudnn_attention=true
   --profile-target  GPU time of one `FrozenTarget.capture` by kernel family and the top kernels (where the target
                forward, most of a long-sequence step, goes)
 Each: warmup steps, then timed steps: median wall seconds per step (synchronised), sequence tokens/s, MFU of one FLOP
-count per length (DESIGN.md's cost model, printed), peak GPU memory of the timed steps, CUDA-event breakdown.
+count per length (the cost model of `flashdraft.train.loop.step_flops`, printed; docs/benchmarks.md explains it),
+peak GPU memory of the timed steps, CUDA-event breakdown by phase.
 Extra arguments `section.field=value` override flashdraft's config (e.g. train.compile=false).
 """
 
@@ -29,16 +31,14 @@ import gc
 import inspect
 import json
 import os
-import sys
 import time
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench import naive_train_step as naive  # noqa: E402
-from flashdraft.train import bench as fbench  # noqa: E402
+from bench import naive_train_step as naive
+from bench.anchors import fla_kernels
+from flashdraft.train import bench as fbench
 
 MASK_TOKEN = 248070
 
@@ -49,13 +49,21 @@ def target_config(d: naive.Dims, num_layers: int, smoke: bool):
 
     linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
     if not smoke:
-        linear = dict(linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-                      linear_value_head_dim=128)  # fmt: skip
-    cfg = Qwen3_5TextConfig(vocab_size=d.vocab, hidden_size=d.hidden, intermediate_size=d.ffn,
-                            num_hidden_layers=num_layers, num_attention_heads=d.heads, num_key_value_heads=d.kv_heads,
-                            head_dim=d.head_dim, linear_conv_kernel_dim=4, **linear,
-                            layer_types=["full_attention" if i % 4 == 3 else "linear_attention"
-                                         for i in range(num_layers)])  # fmt: skip
+        linear = dict(
+            linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128
+        )
+    cfg = Qwen3_5TextConfig(
+        vocab_size=d.vocab,
+        hidden_size=d.hidden,
+        intermediate_size=d.ffn,
+        num_hidden_layers=num_layers,
+        num_attention_heads=d.heads,
+        num_key_value_heads=d.kv_heads,
+        head_dim=d.head_dim,
+        linear_conv_kernel_dim=4,
+        **linear,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)],
+    )
     cfg._attn_implementation = "sdpa"
     return cfg
 
@@ -82,12 +90,22 @@ def build_target(d: naive.Dims, full_layers: int, device: str, dtype: torch.dtyp
 def flashdraft_config(d: naive.Dims, seq: int, device: str, overrides: list[str]):
     from flashdraft.config import load_config
 
-    return load_config(None, [
-        f"target.path=random-{d.hidden}", f"drafter.num_layers={d.drafter_layers}", f"drafter.block_size={d.block_size}",
-        f"drafter.target_layer_ids={list(d.layer_ids)}", f"drafter.mask_token_id={min(MASK_TOKEN, d.vocab - 1)}",
-        f"data.max_length={seq}", f"recipe.num_anchors={d.anchors}", "train.batch_size=1", "train.grad_accum=1",
-        f"train.device={device}", *overrides,
-    ])  # fmt: skip
+    return load_config(
+        None,
+        [
+            f"target.path=random-{d.hidden}",
+            f"drafter.num_layers={d.drafter_layers}",
+            f"drafter.block_size={d.block_size}",
+            f"drafter.target_layer_ids={list(d.layer_ids)}",
+            f"drafter.mask_token_id={min(MASK_TOKEN, d.vocab - 1)}",
+            f"data.max_length={seq}",
+            f"recipe.num_anchors={d.anchors}",
+            "train.batch_size=1",
+            "train.grad_accum=1",
+            f"train.device={device}",
+            *overrides,
+        ],
+    )
 
 
 def cost_flops(model, d: naive.Dims, seq: int, cfg) -> float:
@@ -96,9 +114,13 @@ def cost_flops(model, d: naive.Dims, seq: int, cfg) -> float:
     from flashdraft.train.loop import step_flops
 
     with torch.device("meta"):
-        drafter = DFlashDraftModel.from_target(model.config, num_layers=d.drafter_layers, block_size=d.block_size,
-                                               target_layer_ids=list(d.layer_ids),
-                                               mask_token_id=cfg.drafter.mask_token_id)  # fmt: skip
+        drafter = DFlashDraftModel.from_target(
+            model.config,
+            num_layers=d.drafter_layers,
+            block_size=d.block_size,
+            target_layer_ids=list(d.layer_ids),
+            mask_token_id=cfg.drafter.mask_token_id,
+        )
     shim = SimpleNamespace(target=SimpleNamespace(model=model, lm_head_weight=model.lm_head.weight), drafter=drafter)
     return step_flops(shim, seq, d.anchors * (d.block_size - 1))
 
@@ -115,7 +137,7 @@ def run_naive(model, d, seq, device, dtype, warmup, steps, flops) -> dict:
 
     names = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
     saved = {n: getattr(mq, n) for n in names}
-    kernels = naive.fla_kernels() if device == "cuda" else None
+    kernels = fla_kernels() if device == "cuda" else None
     # Without fla (the CPU): transformers' own torch functions, as the anchor's fallback variant runs them.
     mq.causal_conv1d_fn, mq.torch_chunk_gated_delta_rule = kernels or (inspect.unwrap(f) for f in saved.values())
     variant = "naive (fla target)" if kernels is not None else "naive (torch target)"
@@ -130,8 +152,9 @@ def run_naive(model, d, seq, device, dtype, warmup, steps, flops) -> dict:
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device == "cuda")
     generator = torch.Generator(device=device).manual_seed(2)
     try:
-        result = fbench.measure(naive.make_step(model, drafter, optimizer, d, seq, device, generator),
-                                torch.device(device), warmup, steps)  # fmt: skip
+        result = fbench.measure(
+            naive.make_step(model, drafter, optimizer, d, seq, device, generator), torch.device(device), warmup, steps
+        )
     except torch.cuda.OutOfMemoryError as exc:
         result = {"error": f"OOM: {str(exc)[:160]}"}
     finally:
@@ -141,8 +164,15 @@ def run_naive(model, d, seq, device, dtype, warmup, steps, flops) -> dict:
     if "error" in result:
         return {"variant": variant, "seq": seq, **result}
     peak = fbench_peak(device)
-    return {"variant": variant, "seq": seq, **result, "seq_tokens": seq, "flops": flops, "tok_s": seq / result["step_s"],
-            "mfu": flops / result["step_s"] / peak if peak else None}  # fmt: skip
+    return {
+        "variant": variant,
+        "seq": seq,
+        **result,
+        "seq_tokens": seq,
+        "flops": flops,
+        "tok_s": seq / result["step_s"],
+        "mfu": flops / result["step_s"] / peak if peak else None,
+    }
 
 
 def fbench_peak(device: str):
@@ -193,8 +223,11 @@ def target_profile(target, d: naive.Dims, seq: int, device: str) -> dict:
     ids = torch.randint(0, d.vocab, (1, seq), device=device)
     attn = torch.ones_like(ids)
     free(target.capture(ids, attn))  # warm: autotuning, allocator
-    return {"variant": "target profile", "seq": seq, **kernel_breakdown(lambda: target.capture(ids, attn),
-                                                                           cuda=device == "cuda")}  # fmt: skip
+    return {
+        "variant": "target profile",
+        "seq": seq,
+        **kernel_breakdown(lambda: target.capture(ids, attn), cuda=device == "cuda"),
+    }
 
 
 def print_target_profile(row: dict) -> None:
@@ -207,7 +240,7 @@ def print_target_profile(row: dict) -> None:
 
 
 def compare(rows: list[dict], seqs: list[int]) -> dict:
-    """Per length: flashdraft vs naive, and the issue's goals (P4 at 3072, P5 at 32768)."""
+    """Per length: flashdraft against the naive trainer of the same run."""
     out = {}
     for seq in seqs:
         a = next((r for r in rows if r["seq"] == seq and r["variant"] == "flashdraft" and "error" not in r), None)
@@ -216,34 +249,52 @@ def compare(rows: list[dict], seqs: list[int]) -> dict:
             continue
         c = {"mfu": a["mfu"], "step_s": a["step_s"]}
         if b is not None:
-            c |= {"speedup_vs_naive": b["step_s"] / a["step_s"], "naive_mfu": b["mfu"],
-                  "peak_gib": a["peak_gib"], "naive_peak_gib": b["peak_gib"]}  # fmt: skip
-        if seq == 3072 and a["mfu"] is not None:
-            c["P4_met"] = a["mfu"] >= 0.55 and c.get("speedup_vs_naive", 0) >= 1.19
-        if seq == 32768 and a["mfu"] is not None and b is not None:
-            c["P5_met"] = a["mfu"] >= 0.58 and a["peak_gib"] <= b["peak_gib"]
+            c |= {
+                "speedup_vs_naive": b["step_s"] / a["step_s"],
+                "naive_mfu": b["mfu"],
+                "peak_gib": a["peak_gib"],
+                "naive_peak_gib": b["peak_gib"],
+            }
         out[str(seq)] = c
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, action="append", help="sequence length (repeatable); default 3072")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (flashdraft's first compiles)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per variant")
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "train_step.json"))
+    ap.add_argument("--json", help="write every row, the FLOP counts and the machine here")
     ap.add_argument("--smoke", action="store_true", help="a tiny target and drafter on the CPU (checks the script)")
     ap.add_argument("--ablate", action="store_true", help="also flashdraft without compile, and with SDPA too")
-    ap.add_argument("--try", dest="tries", action="append", default=[], metavar="section.field=value",
-                    help="also flashdraft with this override added (repeatable)")  # fmt: skip
+    ap.add_argument(
+        "--try",
+        dest="tries",
+        action="append",
+        default=[],
+        metavar="section.field=value",
+        help="also flashdraft with this override added (repeatable)",
+    )
     ap.add_argument("--skip-naive", action="store_true")
     ap.add_argument("--profile-target", action="store_true", help="GPU time of the target's capture by kernel")
     ap.add_argument("overrides", nargs="*", metavar="section.field=value", help="flashdraft config overrides")
     args = ap.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("bench.train_step needs a CUDA device (or --smoke for the CPU check)")
 
     if args.smoke:
-        d = naive.Dims(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=512, layer_ids=(1, 3, 5),
-                       block_size=4, anchors=16, drafter_layers=2)  # fmt: skip
+        d = naive.Dims(
+            hidden=64,
+            heads=4,
+            kv_heads=2,
+            head_dim=16,
+            ffn=128,
+            vocab=512,
+            layer_ids=(1, 3, 5),
+            block_size=4,
+            anchors=16,
+            drafter_layers=2,
+        )
         seqs, full_layers, device, dtype = args.seq or [96], 8, "cpu", torch.float32
     else:
         d = naive.Dims()
@@ -251,12 +302,18 @@ def main() -> None:
     t0 = time.time()
     model, full_config = build_target(d, full_layers, device, dtype, args.smoke)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"built the random target: {model.config.num_hidden_layers} of {full_layers} layers, {n_params / 1e9:.2f}B "
-          f"params, {dtype}, {device}, in {time.time() - t0:.0f} s", flush=True)  # fmt: skip
+    print(
+        f"built the random target: {model.config.num_hidden_layers} of {full_layers} layers, {n_params / 1e9:.2f}B "
+        f"params, {dtype}, {device}, in {time.time() - t0:.0f} s",
+        flush=True,
+    )
     flops = {seq: cost_flops(model, d, seq, flashdraft_config(d, seq, device, [])) for seq in seqs}
     for seq, f in flops.items():
-        print(f"seq {seq}: FLOPs per step (cost model, attention excluded) {f / 1e12:.2f} T = "
-              f"{f / seq / 1e9:.1f} GFLOP per sequence token", flush=True)  # fmt: skip
+        print(
+            f"seq {seq}: FLOPs per step (cost model, attention excluded) {f / 1e12:.2f} T = "
+            f"{f / seq / 1e9:.1f} GFLOP per sequence token",
+            flush=True,
+        )
 
     rows = []
     # The naive trainer first, on the untouched model: FrozenTarget below truncates it and patches the fast path in.
@@ -271,8 +328,10 @@ def main() -> None:
     print(f"flashdraft target fast path: {target.fastpath_report.summary()}", flush=True)
     variants = [("flashdraft", list(args.overrides))]
     if args.ablate:
-        variants += [("flashdraft[eager]", [*args.overrides, "train.compile=false"]),
-                     ("flashdraft[eager,sdpa]", [*args.overrides, "train.compile=false", "train.attention=sdpa"])]  # fmt: skip
+        variants += [
+            ("flashdraft[eager]", [*args.overrides, "train.compile=false"]),
+            ("flashdraft[eager,sdpa]", [*args.overrides, "train.compile=false", "train.attention=sdpa"]),
+        ]
     variants += [(f"flashdraft[{extra}]", [*args.overrides, extra]) for extra in args.tries]
     for seq in seqs:
         # Each length compiles its own static graphs, as it would run alone (a training run's varying lengths get
@@ -291,12 +350,19 @@ def main() -> None:
             print(fbench.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
 
     summary = compare(rows, seqs)
-    report = {"machine": fbench.machine(), "smoke": args.smoke, "flops_per_step": {str(k): v for k, v in flops.items()},
-              "results": rows, "comparison": summary, "wall_s": time.time() - t0}  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(report, fh, indent=1)
-    print(f"\n{json.dumps(summary)}\nwrote {args.out} ({time.time() - t0:.0f} s in all)\n")
+    report = {
+        "machine": fbench.machine(),
+        "smoke": args.smoke,
+        "flops_per_step": {str(k): v for k, v in flops.items()},
+        "results": rows,
+        "comparison": summary,
+        "wall_s": time.time() - t0,
+    }
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=1)
+    print(f"\n{json.dumps(summary)}\n{time.time() - t0:.0f} s in all" + (f"; wrote {args.json}" if args.json else ""))
     print(fbench.table([r for r in rows if "step_s" in r]))
     for r in rows:
         if r["variant"] == "target profile":

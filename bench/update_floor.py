@@ -1,22 +1,21 @@
-"""P2 in context: what one `causal_conv1d_update` call costs, and the floor of the method that times it.
+"""What one `causal_conv1d_update` call costs, and the floor of the method that times it.
 
 CUDA events around a single call include the host's launch path (Python, the driver); an empty Triton kernel timed
-the same way is the floor any Triton (or CUDA-extension) implementation pays. Inside a captured CUDA graph (how a
-decode step should run, issue 10) only the GPU time remains: we time the update replayed from a graph too.
-Run: python bench/update_floor.py [--json OUT]
+the same way is the floor any Triton (or CUDA-extension) implementation pays. Inside a captured CUDA graph (how the
+decode engine runs a step) only the GPU time remains: the update is timed replayed from a graph too.
+Run on a GPU, from the repository root: python -m bench.update_floor [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.timing import events_ms
+from flashdraft.kernels import causal_conv1d_update
 
 
 @triton.jit
@@ -25,17 +24,15 @@ def _empty_kernel(x):
 
 
 def _events_us(fn, iters=200, warmup=20):
-    from bench.timing import events_ms
-
     return events_ms(fn, iters, warmup) * 1e3
 
 
 def main() -> None:
-    from flashdraft.kernels import causal_conv1d_update
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.update_floor needs a CUDA device")
     B, D, W = 64, 10240, 4
     x = torch.randn(B, D, 1, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(D, W, device="cuda", dtype=torch.bfloat16)

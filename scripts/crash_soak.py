@@ -52,13 +52,25 @@ from pathlib import Path
 
 #: Short overrides of the embedded default: the CPU even where there is a GPU, a log line per step, a checkpoint every 2 steps (a kill between two
 #: checkpoints leaves metrics lines the resumed run must drop), a single short measured-tau prompt at the end.
-OVERRIDES = ["train.device=cpu", "log.every=1", "log.checkpoint_every=2", "data.eval_limit=1",
-             "data.eval_max_new_tokens=4"]  # fmt: skip
+OVERRIDES = [
+    "train.device=cpu",
+    "log.every=1",
+    "log.checkpoint_every=2",
+    "data.eval_limit=1",
+    "data.eval_max_new_tokens=4",
+]
 #: Values of a metrics record that depend on the wall clock, not on the computation.
 TIMING_KEYS = {"tok_s", "draft_tok_s", "mfu", "mem_gib"}
 #: Files of a checkpoint in the order `CheckpointManager.save` writes them (names the phase a kill interrupted).
-WRITE_ORDER = ("drafter/config.json", "drafter/model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt",
-               "trainer_state.json", "MANIFEST.json")  # fmt: skip
+WRITE_ORDER = (
+    "drafter/config.json",
+    "drafter/model.safetensors",
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng.pt",
+    "trainer_state.json",
+    "MANIFEST.json",
+)
 DAMAGE = ("flip bytes in drafter/model.safetensors", "truncate optimizer.pt", "delete MANIFEST.json")
 #: Where kills aimed at a checkpoint write land: as the temporary directory appears, as each file of it appears,
 #: and just after the rename that publishes it (then in the pointer update or pruning).
@@ -163,8 +175,8 @@ def _yes(ok: bool, detail: str = "") -> str:
 
 
 def trainer_command(out: Path, steps: int, resume: bool) -> list[str]:
-    return [sys.executable, "-m", "flashdraft", "--debug", "train", "--out", str(out), *(["--resume"] if resume else []),
-            f"train.max_steps={steps}", *OVERRIDES]  # fmt: skip
+    command = [sys.executable, "-m", "flashdraft", "--debug", "train", "--out", str(out)]
+    return command + (["--resume"] if resume else []) + [f"train.max_steps={steps}", *OVERRIDES]
 
 
 def launch(out: Path, steps: int, resume: bool, log: Path) -> subprocess.Popen:
@@ -174,8 +186,14 @@ def launch(out: Path, steps: int, resume: bool, log: Path) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
         # cwd outside the repository: `python -m` would put the cwd first on sys.path.
-        return subprocess.Popen(trainer_command(out, steps, resume), cwd=out.parent, env=env, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        return subprocess.Popen(
+            trainer_command(out, steps, resume),
+            cwd=out.parent,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def _wait_for(proc: subprocess.Popen, predicate, what: str, log: Path):
@@ -500,11 +518,19 @@ def soak(workdir: str | os.PathLike, *, kills: int = 20, seed: int = 0, steps: i
                     aim = "after-final"  # resumed at the end already: only the plot and tau are left to kill
                 planned, aim = aim, _kill_when_aimed(proc, aim, target, out, steps, log, rng)
                 if aim is None:
-                    raise SoakError(f"launch {i} exited ({proc.returncode}) before its kill ({planned}, step >= "
-                                    f"{target}); log {log}:\n{_tail(log)}")  # fmt: skip
+                    raise SoakError(
+                        f"launch {i} exited ({proc.returncode}) before its kill ({planned}, step >= "
+                        f"{target}); log {log}:\n{_tail(log)}"
+                    )
                 records = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
-                kill = Kill(i, aim, resume_from, records[-1]["step"] if records else 0, time.monotonic() - t0,
-                            *_where_killed(out, stale))  # fmt: skip
+                kill = Kill(
+                    i,
+                    aim,
+                    resume_from,
+                    records[-1]["step"] if records else 0,
+                    time.monotonic() - t0,
+                    *_where_killed(out, stale),
+                )
                 summary.kills.append(kill)
             if expect_from is not None:
                 _check_fallback(log, out, *expect_from, summary)
@@ -531,8 +557,10 @@ def _check_fallback(log: Path, out: Path, damaged: str, fallback: int, summary: 
     if warned == 1 and resumed:
         summary.damage_skipped_with_warning += 1
     else:
-        summary.failures.append(f"{log.name}: after damaging {damaged}: warned about it {warned} times (once "
-                                f"expected); resumed from step {fallback}: {resumed}")  # fmt: skip
+        summary.failures.append(
+            f"{log.name}: after damaging {damaged}: warned about it {warned} times (once "
+            f"expected); resumed from step {fallback}: {resumed}"
+        )
 
 
 def compare_final(ref_out: Path, out: Path, steps: int, summary: Summary, checker: Checker) -> None:
@@ -560,8 +588,9 @@ def compare_final(ref_out: Path, out: Path, steps: int, summary: Summary, checke
         diff = next(
             (f"step {a.get('step')}: {a} != {b}" for a, b in zip(values(ref), values(got), strict=False) if a != b), ""
         )
-        summary.failures.append(f"final metrics differ from the uninterrupted run ({len(ref)} vs {len(got)} records) "
-                                f"{diff}")  # fmt: skip
+        summary.failures.append(
+            f"final metrics differ from the uninterrupted run ({len(ref)} vs {len(got)} records) {diff}"
+        )
     final = f"checkpoints/step_{steps:08d}"
     a = load_file(ref_out / final / "drafter" / "model.safetensors")
     b = load_file(out / final / "drafter" / "model.safetensors")
@@ -592,8 +621,13 @@ def _same(a, b) -> bool:
     import torch
 
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and \
-            a.shape == b.shape and _bits(a) == _bits(b)  # fmt: skip
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and _bits(a) == _bits(b)
+        )
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
@@ -614,8 +648,11 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="crash_soak-"))
     logging.getLogger("flashdraft").setLevel(logging.ERROR)  # the damaged checkpoints' warnings are expected
-    print(f"crash soak: {args.kills} kills, seed {args.seed}, {args.steps} steps of the embedded default; "
-          f"runs and logs in {workdir}", flush=True)  # fmt: skip
+    print(
+        f"crash soak: {args.kills} kills, seed {args.seed}, {args.steps} steps of the embedded default; "
+        f"runs and logs in {workdir}",
+        flush=True,
+    )
     summary = soak(workdir, kills=args.kills, seed=args.seed, steps=args.steps)
     print("\n".join(k.line() for k in summary.kills), end="\n\n")
     print(summary.table())

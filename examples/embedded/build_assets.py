@@ -1,10 +1,11 @@
-"""Build the embedded default's tokenizer from the Python standard library (offline, deterministic).
+"""Build the bundled tokenizer from the Python standard library (offline, deterministic).
 
     python examples/embedded/build_assets.py        # writes flashdraft/assets/embedded/tokenizer/
 
-A byte-level BPE (vocabulary 1024) trained on 40 stdlib modules, with a Qwen-style chat template. Everything else
-in flashdraft/assets/embedded/ comes from examples/tiny_target/: the trained target (train_target.py) and, from
-ship.py, the drafter, `train.jsonl` (rows the target regenerated) and `eval.jsonl` (held-out prompts).
+A byte-level BPE (vocabulary 1024) trained on the first 40 stdlib modules over 8 kB, with a Qwen-style chat
+template. The rest of flashdraft/assets/embedded/ comes from examples/tiny_target/ (its README says how): the trained
+target (train_target.py) and, from ship.py, the drafter, `train.jsonl` (rows the target regenerated) and
+`eval.jsonl` (held-out prompts).
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ def main() -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train([str(f) for f in tok_files], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE

@@ -24,8 +24,18 @@ from pathlib import Path
 import numpy as np
 
 # Package trees that are tests, GUIs or vendored data rather than ordinary library code.
-EXCLUDED_PARTS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo", "ensurepip",
-                  "__pycache__", "tkinter"}  # fmt: skip
+EXCLUDED_PARTS = {
+    "test",
+    "tests",
+    "idlelib",
+    "site-packages",
+    "dist-packages",
+    "lib2to3",
+    "turtledemo",
+    "ensurepip",
+    "__pycache__",
+    "tkinter",
+}
 HELDOUT_PERCENT = 10
 
 
@@ -54,8 +64,9 @@ def code_windows(text: str, rng: random.Random, count: int, length: int) -> list
     return [text[s : s + length] for s in rng.sample(starts, min(count, len(starts)))]
 
 
-def build(out: Path, tokenizer_dir: Path, prompts_per_file: int, heldout_prompts: int, prompt_chars: int,
-          seed: int) -> dict:  # fmt: skip
+def build(
+    out: Path, tokenizer_dir: Path, prompts_per_file: int, heldout_prompts: int, prompt_chars: int, seed: int
+) -> dict:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
@@ -76,11 +87,15 @@ def build(out: Path, tokenizer_dir: Path, prompts_per_file: int, heldout_prompts
         split[name].append(relative)
         tokens[name].extend(tok.encode(text).ids + [eos])
         if name == "train":
-            drafter += [{"prompt": w, "source": relative}
-                        for w in code_windows(text, drafter_rng, prompts_per_file, prompt_chars)]  # fmt: skip
+            drafter += [
+                {"prompt": w, "source": relative}
+                for w in code_windows(text, drafter_rng, prompts_per_file, prompt_chars)
+            ]
         else:
-            held += [{"prompt": w, "category": "stdlib-heldout", "source": relative}
-                     for w in code_windows(text, held_rng, 2, prompt_chars)]  # fmt: skip
+            held += [
+                {"prompt": w, "category": "stdlib-heldout", "source": relative}
+                for w in code_windows(text, held_rng, 2, prompt_chars)
+            ]
     drafter_rng.shuffle(drafter)
     held_rng.shuffle(held)
     for name, ids in tokens.items():
@@ -112,10 +127,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     info = build(a.out, a.tokenizer, a.prompts_per_file, a.heldout_prompts, a.prompt_chars, a.seed)
-    print(f"corpus from Python {info['python']}: {info['tokens']['train']:,} train tokens "
-          f"({len(info['files']['train'])} files), {info['tokens']['heldout']:,} held-out tokens "
-          f"({len(info['files']['heldout'])} files); {info['drafter_prompts']} drafter prompts, "
-          f"{info['heldout_prompts']} held-out prompts -> {a.out}")  # fmt: skip
+    print(
+        f"corpus from Python {info['python']}: {info['tokens']['train']:,} train tokens "
+        f"({len(info['files']['train'])} files), {info['tokens']['heldout']:,} held-out tokens "
+        f"({len(info['files']['heldout'])} files); {info['drafter_prompts']} drafter prompts, "
+        f"{info['heldout_prompts']} held-out prompts -> {a.out}"
+    )
 
 
 if __name__ == "__main__":

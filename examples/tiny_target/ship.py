@@ -49,8 +49,11 @@ def ship_drafter(drafter: Path, out: Path) -> None:
 
     def write(tmp: Path) -> None:
         tmp.mkdir()
-        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})  # fmt: skip
+        save_file(
+            {k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()},
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         (tmp / "model.safetensors").chmod(0o644)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 

@@ -135,9 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     problem = backends.fla_chunk_backward_problem() if device.type == "cuda" else ""
     if problem:
         print(f"delta rule backward: transformers' torch chunk ({problem.removeprefix('fallback: ')})")
-    print(f"target: {params / 1e6:.2f}M parameters ({params * 2 / 2**20:.1f} MiB in bf16), fast path: {report.summary()}")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=device.type == "cuda")  # fmt: skip
+    print(
+        f"target: {params / 1e6:.2f}M parameters ({params * 2 / 2**20:.1f} MiB in bf16), fast path: {report.summary()}"
+    )
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
+    )
     gen = torch.Generator().manual_seed(a.seed)
     a.out.mkdir(parents=True, exist_ok=True)
     rows, start, tokens_seen, stopped_early, step = [], time.perf_counter(), 0, False, 0
@@ -162,15 +165,25 @@ def main(argv: list[str] | None = None) -> None:
         tokens_seen += ids.numel()
         if (step + 1) % 25 == 0 or step == 0:
             elapsed = time.perf_counter() - start
-            rows.append({"step": step + 1, "loss": float(loss.detach()), "lr": optimizer.param_groups[0]["lr"],
-                         "elapsed_s": elapsed, "tok_s": tokens_seen / elapsed})  # fmt: skip
+            rows.append(
+                {
+                    "step": step + 1,
+                    "loss": float(loss.detach()),
+                    "lr": optimizer.param_groups[0]["lr"],
+                    "elapsed_s": elapsed,
+                    "tok_s": tokens_seen / elapsed,
+                }
+            )
         if (step + 1) % a.eval_every == 0 or step + 1 == a.steps:
             held = heldout_loss(model, held_tokens, a.seq, device)
             rows.append({"step": step + 1, "heldout_loss": held})
             if held < best[0]:  # keep the weights of the best held-out loss (a 4 M-token corpus overfits)
                 best = (held, step + 1, {k: v.detach().clone() for k, v in model.state_dict().items()})
-            print(f"step {step + 1}/{a.steps}  loss {float(loss.detach()):.3f}  held-out {held:.3f}  "
-                  f"{tokens_seen / (time.perf_counter() - start):,.0f} tok/s", flush=True)  # fmt: skip
+            print(
+                f"step {step + 1}/{a.steps}  loss {float(loss.detach()):.3f}  held-out {held:.3f}  "
+                f"{tokens_seen / (time.perf_counter() - start):,.0f} tok/s",
+                flush=True,
+            )
     else:
         step += 1
     if stopped_early:
@@ -189,14 +202,23 @@ def main(argv: list[str] | None = None) -> None:
     with open(a.out / "metrics.jsonl", "w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in rows)
     plot(rows, a.out / "loss_curve.png")
-    summary = {"params": params, "steps": step, "seconds": elapsed, "tokens": tokens_seen,
-               "stopped_early": stopped_early, "final_heldout_loss": rows[-1].get("heldout_loss"),
-               "kept_step": best[1], "kept_heldout_loss": best[0],
-               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "args": {k: str(v) for k, v in vars(a).items()}}  # fmt: skip
+    summary = {
+        "params": params,
+        "steps": step,
+        "seconds": elapsed,
+        "tokens": tokens_seen,
+        "stopped_early": stopped_early,
+        "final_heldout_loss": rows[-1].get("heldout_loss"),
+        "kept_step": best[1],
+        "kept_heldout_loss": best[0],
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "args": {k: str(v) for k, v in vars(a).items()},
+    }
     (a.out / "training_summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"trained {step} steps in {elapsed:.0f} s ({tokens_seen:,} tokens); held-out loss "
-          f"{best[0]:.3f} (step {best[1]}); wrote {a.out}")  # fmt: skip
+    print(
+        f"trained {step} steps in {elapsed:.0f} s ({tokens_seen:,} tokens); held-out loss "
+        f"{best[0]:.3f} (step {best[1]}); wrote {a.out}"
+    )
     if device.type == "cuda":
         shutil.copy(a.out / "loss_curve.png", a.out.parent / "target_loss_curve.png")
 
