@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.kernels.conftest import CUDA
 
@@ -332,6 +333,113 @@ def test_backward_is_deterministic(cc, device, shapes, gen):
         y = cc.causal_conv1d_fn(x, weight, activation="silu")
         grads.append(torch.autograd.grad(y.float().square().sum(), (x, weight)))
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# An independent reference: torch.nn.functional.conv1d with groups=D (no code shared with causal_conv1d_ref)
+
+
+def conv1d_reference(x, weight, bias=None, h0=None, activation=None, segments=None):
+    """y and the final states in float64 from `F.conv1d(groups=D)` over [initial states, x].
+
+    conv1d correlates: y[t] = sum_k w[k] * padded[t + k], padded = [h0 (W-1 columns, zeros without), x], so w[W-1]
+    meets x[t]. segments: per batch row, the (start, stop) runs of packed sequences; each is convolved on its own
+    from zeros (the first also from h0), and positions outside every run (padding) are 0."""
+    x, weight = x.double(), weight.double()
+    bias = bias.double() if bias is not None else None
+    batch, dim, seqlen = x.shape
+    width = weight.shape[1]
+    head = h0.double() if h0 is not None else x.new_zeros(batch, dim, width - 1)
+
+    def conv(padded):
+        y = F.conv1d(padded, weight[:, None, :], bias, groups=dim)
+        return F.silu(y) if activation else y
+
+    if segments is None:
+        y = conv(torch.cat([head, x], -1))
+    else:
+        y = x.new_zeros(batch, dim, seqlen)
+        for b, runs in enumerate(segments):
+            for start, stop in runs:
+                before = head[b : b + 1] if start == 0 else x.new_zeros(1, dim, width - 1)
+                y[b : b + 1, :, start:stop] = conv(torch.cat([before, x[b : b + 1, :, start:stop]], -1))
+    return y, torch.cat([head, x], -1)[..., seqlen:]
+
+
+# (B, D, L, W), layout, bias, activation, initial states: small odd shapes, L < W - 1 and L = 1 included.
+CONV1D_CASES = [
+    ((3, 7, 13, 4), "channel_last", True, "silu", True),
+    ((2, 9, 3, 3), "channel_first", False, None, True),
+    ((1, 5, 1, 2), "channel_last", True, None, False),
+    ((2, 11, 2, 4), "channel_first", True, "silu", False),
+    ((3, 13, 19, 2), "channel_first", False, "silu", True),
+    ((1, 3, 29, 3), "channel_last", True, None, True),
+]
+
+
+@pytest.mark.parametrize("shape, layout, has_bias, activation, with_h0", CONV1D_CASES, ids=case_id)
+def test_fn_matches_torch_conv1d(cc, device, gen, shape, layout, has_bias, activation, with_h0):
+    """Forward, final states and the gradients of x, weight, bias and initial states (float32) against autograd
+    through `F.conv1d(groups=D)` in float64 on the same values."""
+    batch, dim, seqlen, width = shape
+    x = make_x(gen, (batch, dim, seqlen), F32, device, layout == "channel_last")
+    weight = torch.randn(dim, width, generator=gen).to(device)
+    bias = torch.randn(dim, generator=gen).to(device) if has_bias else None
+    h0 = torch.randn(batch, dim, width - 1, generator=gen).to(device) if with_h0 else None
+    inputs = [t.detach().requires_grad_() if t is not None else None for t in (x, weight, bias, h0)]
+    y, fs = cc.causal_conv1d_fn(*inputs[:2], inputs[2], None, inputs[3], True, None, activation)
+    references = [t.detach().double().requires_grad_() if t is not None else None for t in inputs]
+    y_ref, fs_ref = conv1d_reference(*references[:3], references[3], activation)
+    assert_close(y, y_ref, F32, "y")
+    assert torch.equal(fs.double(), fs_ref), "final states"
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(device)
+    dfs = torch.randn(fs.shape, generator=gen, dtype=torch.float64).to(device)
+    ((y.double() * dy).sum() + (fs.double() * dfs).sum()).backward()
+    ((y_ref * dy).sum() + (fs_ref * dfs).sum()).backward()
+    for name, got, ref in zip(("dx", "dweight", "dbias", "dinitial_states"), inputs, references, strict=True):
+        if got is not None:
+            assert_close(got.grad, ref.grad, F32, name)
+
+
+@pytest.mark.parametrize("layout", ["channel_last", "channel_first"])
+def test_packed_sequences_match_torch_conv1d(cc, device, gen, layout):
+    """seq_idx: each packed sequence convolved on its own by F.conv1d, padding positions 0; every gradient."""
+    batch, dim, seqlen, width = 2, 7, 17, 4
+    runs = [[(0, 2), (2, 9), (9, 14)], [(0, 6), (6, 7), (7, 15)]]  # then padding to the end
+    seq_idx = torch.full((batch, seqlen), -1, dtype=torch.int32)
+    for b, row in enumerate(runs):
+        for i, (start, stop) in enumerate(row):
+            seq_idx[b, start:stop] = i
+    x = make_x(gen, (batch, dim, seqlen), F32, device, layout == "channel_last")
+    weight = torch.randn(dim, width, generator=gen).to(device)
+    bias = torch.randn(dim, generator=gen).to(device)
+    h0 = torch.randn(batch, dim, width - 1, generator=gen).to(device)
+    inputs = [t.detach().requires_grad_() for t in (x, weight, bias, h0)]
+    y = cc.causal_conv1d_fn(*inputs[:3], seq_idx.to(device), inputs[3], False, None, "silu")
+    references = [t.detach().double().requires_grad_() for t in inputs]
+    y_ref, _ = conv1d_reference(*references, "silu", segments=runs)
+    assert_close(y, y_ref, F32, "y")
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(device)
+    (y.double() * dy).sum().backward()
+    (y_ref * dy).sum().backward()
+    for name, got, ref in zip(("dx", "dweight", "dbias", "dinitial_states"), inputs, references, strict=True):
+        assert_close(got.grad, ref.grad, F32, name)
+
+
+@pytest.mark.parametrize("seqlen, width, extra", [(1, 4, 0), (3, 3, 2), (5, 2, 1)])
+def test_update_matches_torch_conv1d(cc, device, gen, seqlen, width, extra):
+    """causal_conv1d_update continues from a conv_state of the last S inputs: F.conv1d over [its last W-1, x]."""
+    batch, dim = 3, 9
+    state_len = width - 1 + extra
+    x = torch.randn(batch, dim, seqlen, generator=gen).to(device)
+    state = torch.randn(batch, dim, state_len, generator=gen).to(device)
+    weight = torch.randn(dim, width, generator=gen).to(device)
+    bias = torch.randn(dim, generator=gen).to(device)
+    y_ref, _ = conv1d_reference(x, weight, bias, state[..., state_len - (width - 1) :], "silu")
+    expected_state = torch.cat([state, x], -1)[..., -state_len:]
+    y = cc.causal_conv1d_update(x, state, weight, bias, "silu")
+    assert_close(y, y_ref, F32, "y")
+    assert torch.equal(state, expected_state), "conv_state"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,13 +8,13 @@ the textbook recurrence in the input's dtype) so that "exact" can mean ≤ 1e-10
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import pytest
 import torch
 
 from flashdraft import fastpath
-from flashdraft.fastpath.patch import linear_attention_layers
+from flashdraft.fastpath.backends import CHUNK_RULE, RECURRENT_RULE
+from flashdraft.fastpath.patch import entry_points, linear_attention_layers
 from flashdraft.tiny_configs import build_tiny_target
 
 VOCAB = 256
@@ -37,6 +37,8 @@ def exact_delta_rule(
     query, key, value, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, **_
 ):
     """Gated delta rule, token by token, in the dtype of `value`; `[B, T, H, K]` inputs as transformers passes."""
+    if key.shape[2] != value.shape[2]:  # grouped values: each q/k head serves consecutive value heads
+        query, key = (x.repeat_interleave(value.shape[2] // key.shape[2], dim=2) for x in (query, key))
     q, k, v, b, g = (x.transpose(1, 2) for x in (query, key, value, beta, g))
     if use_qk_l2norm_in_kernel:
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
@@ -72,16 +74,18 @@ def ready(*targets, exact: bool = True):
     hybrids = [t for t in targets if linear_attention_layers(t)]
     try:
         for target in hybrids:
-            module = sys.modules[type(linear_attention_layers(target)[0][1]).__module__]
             fastpath.enable(target, strict=False, run_probe=False)
             if exact and next(target.parameters()).dtype == torch.float64:
-                for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
-                    patched.append((module, name, getattr(module, name)))
-                    setattr(module, name, exact_delta_rule)
+                # Where the running transformers looks the rules up: each layer (up to 5.14) or the module.
+                for _, layer in linear_attention_layers(target):
+                    for op in (CHUNK_RULE, RECURRENT_RULE):
+                        owner, name = entry_points(layer)[op]
+                        patched.append((owner, name, getattr(owner, name)))
+                        setattr(owner, name, exact_delta_rule)
         yield targets
     finally:
-        for module, name, fn in reversed(patched):
-            setattr(module, name, fn)
+        for owner, name, fn in reversed(patched):
+            setattr(owner, name, fn)
         for target in hybrids:
             fastpath.disable(target)
 
@@ -148,3 +152,43 @@ def reference_greedy(target, prompt: torch.Tensor, max_new_tokens: int, stop_tok
             break
         ids = torch.tensor([[token]], device=prompt.device)
     return out
+
+
+@contextlib.contextmanager
+def recorded_forwards(target):
+    """Records every cached forward of `target` while open: (tokens already in the cache, fed ids, logits)."""
+    from flashdraft.spec import state
+
+    records, starts = [], []
+
+    def before(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        starts.append(state.kv_length(cache) if cache is not None else 0)
+
+    def after(module, args, kwargs, output):
+        ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
+        records.append((starts.pop(), ids[0].clone(), output.logits[0].clone()))
+
+    handles = [target.register_forward_pre_hook(before, with_kwargs=True),
+               target.register_forward_hook(after, with_kwargs=True)]  # fmt: skip
+    try:
+        yield records
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.inference_mode()
+def verification_error(target, records, tokens: list[int]) -> float:
+    """Largest |logit| difference between each recorded cached forward and a forward without cache over the same
+    tokens (`tokens`: the correct sequence, whose first `start` tokens each recorded forward's cache holds).
+
+    Greedy output alone cannot show a slightly wrong cache (a recurrent state rolled back imperfectly moves
+    logits by ~1e-3, rarely enough to change an argmax of a tiny random target); this can, to rounding."""
+    worst = 0.0
+    device = next(target.parameters()).device
+    for start, ids, logits in records:
+        full = torch.cat([torch.tensor(tokens[:start], dtype=torch.long, device=device), ids.to(device)])
+        reference = target(full[None]).logits[0, -logits.shape[0] :]
+        worst = max(worst, (logits - reference).abs().max().item())
+    return worst

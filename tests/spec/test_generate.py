@@ -1,5 +1,6 @@
-"""Greedy speculative decoding reproduces the target's own greedy decoding token for token, on hybrid and plain
-tiny targets (float64), whatever the drafter proposes; stop tokens and max_new_tokens are honoured exactly."""
+"""Greedy speculative decoding reproduces the target's own greedy decoding token for token, on hybrid (MoE ones
+too) and plain tiny targets (float64), whatever the drafter proposes; stop tokens and max_new_tokens are honoured
+exactly."""
 
 import pytest
 import torch
@@ -11,8 +12,10 @@ from . import (  # noqa: F401 (one_thread: autouse fixture)
     one_thread,
     random_drafter,
     ready,
+    recorded_forwards,
     reference_greedy,
     tiny_target,
+    verification_error,
 )
 
 FAMILIES = ["qwen3_5", "qwen3"]
@@ -64,11 +67,37 @@ def test_greedy_with_high_acceptance_covers_every_acceptance_length(setup, block
         for i, (prompt, max_new, expected) in enumerate(cases[:6]):
             script = prompt[0].tolist() + expected
             drafter = ScriptedDrafter(script, 256, block_size, error_rate, seed=i)
-            result = generate(target, drafter, prompt, max_new)
+            with recorded_forwards(target) as forwards:
+                result = generate(target, drafter, prompt, max_new)
             assert result.tokens == expected, f"prompt {i}"
+            assert verification_error(target, forwards, script) < 1e-9  # each verification exact, not just argmax
             _check_stats(result, block_size)
             accepted_drafts.update(a - 1 for a in result.acceptance_lengths[:-1])
     assert {0, block_size - 1} <= accepted_drafts
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_moe_hybrids_greedy_equals_target_greedy(family):
+    """MoE hybrids (eager experts, float64), several prompts: a drafter that knows the target's greedy continuation
+    but errs at a rate gives partial acceptances, full blocks and rollbacks, and the output is the target's own."""
+    target = tiny_target(family, seed=11)
+    g = torch.Generator().manual_seed(13)
+    accepted_drafts = {4: set(), 8: set()}
+    with ready(target):
+        for i in range(4):
+            prompt = torch.randint(0, 256, (1, int(torch.randint(2, 30, (1,), generator=g))), generator=g)
+            expected = reference_greedy(target, prompt, 40)
+            for block_size, error_rate in ((4, 0.3), (8, 0.12)):
+                drafter = ScriptedDrafter(prompt[0].tolist() + expected, 256, block_size, error_rate, seed=i)
+                with recorded_forwards(target) as forwards:
+                    result = generate(target, drafter, prompt, 40)
+                assert result.tokens == expected, f"prompt {i}, block size {block_size}"
+                # Every verification's logits are those of a forward without cache: the rollback is exact.
+                assert verification_error(target, forwards, prompt[0].tolist() + expected) < 1e-9
+                _check_stats(result, block_size)
+                accepted_drafts[block_size].update(a - 1 for a in result.acceptance_lengths[:-1])
+    for block_size, seen in accepted_drafts.items():  # rejections, full blocks and partial acceptances all happened
+        assert {0, block_size - 1} < seen, (block_size, seen)
 
 
 def test_deferred_tokens_are_committed_when_too_many(setup):

@@ -1,6 +1,8 @@
 """Sampling is lossless: rejection sampling against analytic probabilities, and speculative decoding end to end
 against the target's exact joint distribution of two generated tokens (chi-square, fixed seeds)."""
 
+import bisect
+
 import pytest
 import torch
 
@@ -12,19 +14,49 @@ from . import one_thread, random_drafter, ready, tiny_target  # noqa: F401 (one_
 P_MIN = 1e-3
 
 
-def chi_square_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """Pearson's test; cells expected below 5 are pooled into one. A count where nothing is expected gives 0."""
+def _pearson(observed: torch.Tensor, expected_probs: torch.Tensor) -> tuple[float, int] | None:
+    """Pearson's statistic and degrees of freedom of one multinomial sample; cells expected below 5 are pooled
+    into one. None when a count falls where nothing is expected (impossible under the null)."""
     observed, expected = observed.double().flatten(), expected_probs.double().flatten() * observed.sum()
     if (observed[expected <= 0] > 0).any():
-        return 0.0
+        return None
     observed, expected = observed[expected > 0], expected[expected > 0]
     small = expected < 5
     if small.any():
         observed = torch.cat([observed[~small], observed[small].sum()[None]])
         expected = torch.cat([expected[~small], expected[small].sum()[None]])
-    stat = ((observed - expected) ** 2 / expected).sum()
-    dof = observed.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
+    return float(((observed - expected) ** 2 / expected).sum()), observed.numel() - 1
+
+
+def chi_square_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson's test; cells expected below 5 are pooled into one. A count where nothing is expected gives 0."""
+    result = _pearson(observed, expected_probs)
+    if result is None:
+        return 0.0
+    stat, dof = result
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+        )
+    )
+
+
+def conditional_chi_square_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """One test of many multinomial rows `[..., V]`, each against its own distribution given its own count:
+    the rows' Pearson statistics and degrees of freedom are summed (rows with no count add nothing)."""
+    from scipy.stats import chi2
+
+    stat, dof = 0.0, 0
+    for row, probs in zip(
+        observed.reshape(-1, observed.shape[-1]), expected_probs.reshape(-1, observed.shape[-1]), strict=True
+    ):
+        if row.sum() == 0:
+            continue
+        result = _pearson(row, probs)
+        if result is None:
+            return 0.0
+        stat, dof = stat + result[0], dof + result[1]
+    return float(chi2.sf(stat, dof)) if dof else 1.0
 
 
 def _dist(*values: float) -> torch.Tensor:
@@ -102,6 +134,115 @@ def test_rejection_sampling_of_deterministic_drafts():
 def test_rejection_sampling_rejects_bad_shapes():
     with pytest.raises(ValueError, match="n \\+ 1"):
         rejection_sample(torch.tensor([1, 2]), None, torch.ones(2, 4) / 4)
+
+
+# ---- block 16, many rounds -------------------------------------------------------------------------------------
+
+VOCAB6, BLOCK16, ROUNDS = 6, 16, 4000
+ALPHA = 1e-3  # false-alarm rate of each chi-square check below (the seeds are fixed: a pass or a fail is repeatable)
+
+
+def _markov_target_and_drafter(seed: int = 0, mix: float = 0.35):
+    """A target whose next-token distribution is a Markov chain P[previous token] (each token forbids its
+    successor, which the drafter still proposes), and a drafter whose draft i follows Q[i][previous draft]:
+    P mixed with a random chain, a different one per block position, so acceptance is high but not certain."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(VOCAB6, VOCAB6, generator=g, dtype=torch.float64) ** 2
+    p[torch.arange(VOCAB6), (torch.arange(VOCAB6) + 1) % VOCAB6] = 0
+    p /= p.sum(-1, keepdim=True)
+    noise = torch.rand(BLOCK16 - 1, VOCAB6, VOCAB6, generator=g, dtype=torch.float64) ** 2
+    q = (1 - mix) * p + mix * noise / noise.sum(-1, keepdim=True)
+    return p, q
+
+
+def _speculate(p, q, sampler, rounds: int = ROUNDS, seed: int = 1):
+    """`rounds` consecutive speculative rounds of block 16 (each starts at the last token emitted), drafts drawn
+    from q, verified by `sampler` against the target's rows for the anchor and each draft.
+
+    Returns emitted[k, a, b] (the k-th token of a round was b after a) and lengths[a, j] (a round anchored at a
+    accepted j drafts)."""
+    g = torch.Generator().manual_seed(seed)
+    cumulative = q.cumsum(-1).tolist()
+    emitted = torch.zeros(BLOCK16, VOCAB6, VOCAB6)
+    lengths = torch.zeros(VOCAB6, BLOCK16)
+    positions = torch.arange(BLOCK16 - 1)
+    last = 0
+    for _ in range(rounds):
+        uniforms = torch.rand(BLOCK16 - 1, generator=g, dtype=torch.float64).tolist()
+        previous = [last]  # the anchor, then each draft
+        for i, u in enumerate(uniforms):
+            previous.append(min(bisect.bisect_right(cumulative[i][previous[-1]], u), VOCAB6 - 1))
+        rows = torch.tensor(previous)
+        accepted, token = sampler(rows[1:], q[positions, rows[:-1]], p[rows], g)
+        out = previous[1 : 1 + accepted] + [token]
+        for k, b in enumerate(out):
+            emitted[k, previous[k], b] += 1
+        lengths[last, accepted] += 1
+        last = out[-1]
+    return emitted, lengths
+
+
+def _exact_acceptance_lengths(p, q) -> torch.Tensor:
+    """[a, j]: probability that a round anchored at a accepts exactly j drafts. Draft i is drawn and accepted
+    as token c after b with probability min(p[b, c], q[i][b, c]); `reach` carries P(all so far accepted, last = b)."""
+    out = torch.zeros(VOCAB6, BLOCK16, dtype=torch.float64)
+    for anchor in range(VOCAB6):
+        reach = torch.zeros(VOCAB6, dtype=torch.float64)
+        reach[anchor] = 1
+        mass = [1.0]
+        for i in range(BLOCK16 - 1):
+            reach = reach @ torch.minimum(p, q[i])
+            mass.append(float(reach.sum()))
+        mass.append(0.0)
+        out[anchor] = torch.tensor([mass[j] - mass[j + 1] for j in range(BLOCK16)])
+    return out
+
+
+def test_rejection_sampling_at_block_16_over_many_rounds():
+    """4000 rounds of 15 drafts: each emitted token, at every block position and after every previous token, is
+    distributed as the target's row (one chi-square over all 16 x 6 rows), and the number of accepted drafts per
+    round as computed exactly from min(p, q). Each check has a false-alarm rate of α = 1e-3."""
+    p, q = _markov_target_and_drafter()
+    emitted, lengths = _speculate(p, q, rejection_sample)
+    p_emitted = conditional_chi_square_pvalue(emitted, p.expand(BLOCK16, -1, -1))
+    p_lengths = conditional_chi_square_pvalue(lengths, _exact_acceptance_lengths(p, q))
+    print(f"\nblock 16: {int(emitted.sum())} tokens; p-values: emitted {p_emitted:.3g}, acceptance {p_lengths:.3g}")
+    assert p_emitted > ALPHA and p_lengths > ALPHA
+    # Every acceptance length occurred (0 .. 15 drafts), so corrections and the bonus token were all exercised.
+    assert (lengths.sum(0) > 0).all() and emitted[BLOCK16 - 1].sum() > 100
+
+
+def _tempered_draft_probs(drafts, draft_probs, target_probs, g):
+    """Reports q^0.7 (renormalised: q at another temperature) as the draft distribution; drafts come from q."""
+    tempered = draft_probs**0.7
+    return rejection_sample(drafts, tempered / tempered.sum(-1, keepdim=True), target_probs, g)
+
+
+def _bonus_from_the_previous_row(drafts, draft_probs, target_probs, g):
+    """Draws the bonus token after a full block from the last draft's row instead of the row after it."""
+    return rejection_sample(drafts, draft_probs, torch.cat([target_probs[:-1], target_probs[-2:-1]]), g)
+
+
+def _draft_probs_dropped(drafts, draft_probs, target_probs, g):
+    """Treats sampled drafts as deterministic: still lossless, but accepts less often than min(1, p/q)."""
+    return rejection_sample(drafts, None, target_probs, g)
+
+
+@pytest.mark.parametrize(
+    "sampler, check",
+    [(_tempered_draft_probs, "emitted"), (_bonus_from_the_previous_row, "emitted"), (_draft_probs_dropped, "lengths")],
+    ids=["tempered-q", "bonus-row", "q-dropped"],
+)
+def test_block_16_check_detects_a_biased_sampler(sampler, check):
+    """The checks above can fail: deliberately wrong verifications are rejected at the same α and seeds."""
+    p, q = _markov_target_and_drafter()
+    emitted, lengths = _speculate(p, q, sampler)
+    if check == "emitted":
+        pvalue = conditional_chi_square_pvalue(emitted, p.expand(BLOCK16, -1, -1))
+    else:
+        pvalue = conditional_chi_square_pvalue(lengths, _exact_acceptance_lengths(p, q))
+    print(f"\n{sampler.__name__}: p-value {pvalue:.3g}")
+    assert pvalue < ALPHA, f"{sampler.__name__} went undetected (p-value {pvalue:.3g})"
 
 
 # ---- end to end ------------------------------------------------------------------------------------------------

@@ -117,6 +117,59 @@ def test_every_acceptance_length_and_stops(setup, block_size, error_rate):
     assert {0, block_size - 1} <= seen
 
 
+def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monkeypatch):
+    """The shipped trained drafter over the shipped target (float64, CPU), so that drafts are accepted — over a
+    random drafter, equal acceptance proves little: (almost) nothing is accepted either way. Round by round the
+    engine verifies exactly the drafts the plain loop verifies, and both emit the target's greedy output."""
+    import importlib
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from flashdraft import embedded
+    from flashdraft.drafter import DFlashDraftModel
+
+    plain_loop = importlib.import_module("flashdraft.spec.generate")  # the module (the package exports a function)
+    target = AutoModelForCausalLM.from_pretrained(embedded.target_dir(), dtype=torch.float64).eval()
+    drafter = DFlashDraftModel.from_pretrained(embedded.drafter_dir(), dtype=torch.float64).eval()
+    tokenizer = embedded.load_tokenizer()
+    drafts = {"engine": [], "plain": []}
+    verify_round, propose = loop._verify_round, plain_loop.DFlashProposer.propose
+
+    def engine_round(engine, runner, proposed, *args, **kwargs):
+        drafts["engine"][-1].append(proposed.tolist())
+        return verify_round(engine, runner, proposed, *args, **kwargs)
+
+    def plain_round(self, tokens, num_drafts):
+        proposed, probs = propose(self, tokens, num_drafts)
+        drafts["plain"][-1].append(proposed.tolist())
+        return proposed, probs
+
+    monkeypatch.setattr(loop, "_verify_round", engine_round)
+    monkeypatch.setattr(plain_loop.DFlashProposer, "propose", plain_round)
+    lines = embedded.eval_prompts().read_text().splitlines()[:4]
+    accepted = rounds = 0
+    with ready(target):
+        for i, line in enumerate(lines):
+            prompt = tokenizer(json.loads(line)["prompt"], return_tensors="pt").input_ids[:, -48:]
+            for name in drafts:
+                drafts[name].append([])
+            on = generate(target, drafter, prompt, 40, engine=True)
+            off = generate(target, drafter, prompt, 40, engine=False)
+            assert on.backend == "engine" and off.backend == "plain"
+            # Greedy: each token is the argmax after the ones before it (one forward without cache checks all).
+            with torch.inference_mode():
+                logits = target(torch.cat([prompt[0], torch.tensor(on.tokens)])[None]).logits[0, prompt.shape[1] - 1 :]
+            assert on.tokens == off.tokens == logits[:-1].argmax(-1).tolist(), f"prompt {i}"
+            assert drafts["engine"][-1] == drafts["plain"][-1], f"prompt {i}: the engine drafted other tokens"
+            assert on.acceptance_lengths == off.acceptance_lengths, f"prompt {i}"
+            accepted += sum(a - 1 for a in on.acceptance_lengths)
+            rounds += on.num_rounds
+    loop.drop_session(target)
+    print(f"\nshipped drafter: {accepted / rounds:.2f} drafts accepted per round ({rounds} rounds)")
+    assert accepted / rounds > 1.5  # a drafter that is read wrongly (or a random one) accepts ~0
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_equals_target_distribution(case, config):
