@@ -268,8 +268,10 @@ def check_token(directory: str | os.PathLike, token: str | None, who: str) -> No
     """Raise OutputError unless `directory`'s lock file, as this process sees it, carries `token` (another
     process's lock: under torchrun, rank 0's)."""
     path = lock_path(directory)
+    if token is None:
+        raise OutputError(f"{path}: rank 0 holds no lock on {path.parent} (take it with flashdraft.io.lock.hold)")
     holder, age, _ = read_holder(path)
-    if token is None or holder is None or holder.token != token:
+    if holder is None or holder.token != token:
         seen = holder.describe(age) if holder is not None else "no lock"
         raise OutputError(f"{who} sees {seen} at {path}, not rank 0's lock: the output directory must be one "
                           "filesystem shared by every node (and no other run may use it)")  # fmt: skip

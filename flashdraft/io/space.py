@@ -15,7 +15,7 @@ import errno
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from flashdraft.io import OutputError
@@ -56,9 +56,12 @@ def no_room(exc: BaseException) -> int | None:
 
 
 @contextlib.contextmanager
-def room_for(path: str | os.PathLike, needed: int, what: str, hint: str | None = None) -> Iterator[None]:
+def room_for(
+    path: str | os.PathLike, needed: int | Callable[[], int], what: str, hint: str | None = None
+) -> Iterator[None]:
     """Turn a write out of room inside the body into StorageFull: "`what` at `path`: the reason (about `needed`
-    bytes needed, N free)" plus `hint` (what is still intact, how to continue). Other errors pass unchanged."""
+    bytes needed, N free)" plus `hint` (what is still intact, how to continue). Other errors pass unchanged.
+    `needed` may be a function, asked after the failure (an estimate that grows with the work done)."""
     try:
         yield
     except StorageFull:
@@ -67,7 +70,8 @@ def room_for(path: str | os.PathLike, needed: int, what: str, hint: str | None =
         code = no_room(exc)
         if code is None:
             raise
-        raise StorageFull(describe(code, Path(path), needed, what, hint), code) from exc
+        size = needed() if callable(needed) else needed
+        raise StorageFull(describe(code, Path(path), size, what, hint), code) from exc
 
 
 def describe(code: int, path: Path, needed: int, what: str, hint: str | None = None) -> str:
