@@ -17,6 +17,7 @@ sample index, the seed and the epoch, and the permutation sorts them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -117,7 +118,9 @@ class ShardWriter:
     def abort(self) -> None:
         for f in (self._ids, self._mask):
             if not f.closed:
-                f.close()
+                # Closing flushes what is buffered, which fails again on a full disk: the files go anyway.
+                with contextlib.suppress(OSError):
+                    f.close()
         if self.tmp.exists():
             shutil.rmtree(self.tmp, ignore_errors=True)
 
