@@ -10,8 +10,9 @@
     flashdraft bench train-step [--config YAML] [--seq N] [section.field=value ...]
 
 Exit codes: 0 success; 1 a check failed (e.g. doctor: fast path incomplete); 2 bad input or usage
-(the message names the file, line or field); 3 an unexpected internal error. A traceback is printed only
-with --debug.
+(the message names the file, line or field); 3 an unexpected internal error; 4 the output cannot be written (another
+run holds the output directory, or the disk, a quota or a file-size limit is full: the message names the path). A
+traceback is printed only with --debug.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import argparse
 import importlib
 import os
 import sys
+
+from flashdraft.io import OutputError
 
 # subcommand -> module providing add_parser(subparsers) and run(args) -> int
 SUBCOMMANDS = {
@@ -33,7 +36,7 @@ SUBCOMMANDS = {
     "bench": "flashdraft.train.bench",
 }
 
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OUTPUT = 0, 1, 2, 3, 4
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -80,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OutputError as exc:
+        if args.debug:
+            raise
+        print(f"flashdraft {args.command}{where}: error: {exc}", file=sys.stderr)
+        return EXIT_OUTPUT
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
         if args.debug:
             raise

@@ -187,6 +187,22 @@ class LogConfig:
 
 
 @dataclass(kw_only=True)
+class S3Config:
+    connect_timeout: float = 5.0
+    """Seconds to wait for an s3:// endpoint to accept a connection. A reachable endpoint accepts in well under a
+    second; 5 s leaves room for two lost SYNs (TCP resends them after 1 and 3 s)."""
+    read_timeout: float = 8.0
+    """Seconds an open s3:// connection may stay silent before the request counts as failed (the longest gap
+    between two received bytes, not the time for a whole transfer). S3 and MinIO answer within a second; raise it
+    for a slow or distant store."""
+    attempts: int = 3
+    """Tries per s3:// request, the first included (botocore's "standard" retries: connection errors, timeouts,
+    throttling and 5xx answers, with exponential back-off; a transfer cut mid-body is read again too). With the
+    defaults an endpoint that never answers fails within 3 x 8 s plus at most 3 s of back-off, where the libraries'
+    own defaults (5 x 5 attempts of 15 s) take minutes."""
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
@@ -195,6 +211,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    s3: S3Config = field(default_factory=S3Config)
 
     def validate(self) -> RunConfig:
         checks = [
@@ -231,6 +248,9 @@ class RunConfig:
             ("log.every", self.log.every >= 1, "must be >= 1"),
             ("log.checkpoint_every", self.log.checkpoint_every >= 1, "must be >= 1"),
             ("log.keep_checkpoints", self.log.keep_checkpoints >= 1, "must be >= 1"),
+            ("s3.connect_timeout", self.s3.connect_timeout > 0, "must be > 0 (seconds)"),
+            ("s3.read_timeout", self.s3.read_timeout > 0, "must be > 0 (seconds)"),
+            ("s3.attempts", self.s3.attempts >= 1, "must be >= 1 (the first try included)"),
             ("log.eval_every", self.log.eval_every >= 0 and self.log.eval_every % self.log.every == 0,
              f"must be 0 or a multiple of log.every ({self.log.every}): τ is reported in that step's metrics"),
         ]  # fmt: skip

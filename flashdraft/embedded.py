@@ -12,8 +12,10 @@ Everything ships in flashdraft/assets/embedded, made by examples/tiny_target (ho
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads when a model is built: `flashdraft train` reads its config (and takes the output
+    import torch  # directory's lock) before that, so a second run on a busy directory stops at once
 
 ASSETS = Path(__file__).resolve().parent / "assets" / "embedded"
 EMBEDDED = "embedded"
@@ -46,18 +48,20 @@ def drafter_dir() -> Path:
     return ASSETS / "drafter"
 
 
-def build_target(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def build_target(dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
     """The embedded trained target, loaded from the package (safetensors, no network).
 
     Its linear-attention layers already run flashdraft's device-aware fast path (unprobed; `fastpath.probe`
     proves it): on a CPU, transformers alone would pick fla's GPU-only kernels when fla is installed.
     """
+    import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from flashdraft import fastpath
 
     hf_logging.disable_progress_bar()  # a 13 MB load needs no progress bar
-    model = AutoModelForCausalLM.from_pretrained(target_dir(), dtype=dtype, use_safetensors=True).to(device)
+    model = AutoModelForCausalLM.from_pretrained(target_dir(), dtype=dtype or torch.float32, use_safetensors=True)
+    model = model.to(device)
     fastpath.enable(model, strict=False, run_probe=False)
     return model

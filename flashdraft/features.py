@@ -18,10 +18,16 @@ A features directory (local, or any fsspec URL such as s3://; S3 endpoint from A
 Each sequence is captured alone (no padding), as the online trainer does with train.batch_size=1, so online and
 offline training on the same data give the same losses (with larger batches the online capture pads, which can
 move the last bits). Reading fetches one sample's bytes with a ranged read; nothing else of a shard is read.
+
+Writing a local directory holds its lock (flashdraft.io.lock; rank 0 under torchrun), removes an old index first and
+writes each file under a temporary name: a run that is cut off or runs out of room (StorageFull, naming the path and
+the space needed) leaves no features.json, so `train` refuses the directory rather than reading half of it. The index
+is checked field by field when read; every message names the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -33,6 +39,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from flashdraft.data.errors import DataError
+from flashdraft.io import lock
+from flashdraft.io.space import room_for
+
 logger = logging.getLogger(__name__)
 
 FORMAT = "flashdraft-features/1"
@@ -43,13 +53,21 @@ SHARD_BYTES = 1 << 30
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
-def _fs(url: str):
-    from fsspec.core import url_to_fs
+def _fs(url: str, s3=None):
+    from flashdraft.data.sources import open_fs
 
-    from flashdraft.data.sources import storage_options_for
+    return open_fs(url, s3=s3)
 
-    protocol = url.split("://", 1)[0] if "://" in url else "file"
-    return url_to_fs(url, **storage_options_for(protocol))
+
+def _local_dir(url: str) -> str | None:
+    """The local directory of `url`, or None for an object store (which has no lock)."""
+    return url.removeprefix("file://") if "://" not in url or url.startswith("file://") else None
+
+
+def output_lock(out: str):
+    """The lock of a local features directory (see flashdraft.io.lock); object stores have none."""
+    local = _local_dir(out)
+    return lock.hold(local, "features") if local is not None else contextlib.nullcontext()
 
 
 def _put(fs, path: str, data: bytes) -> None:
@@ -58,11 +76,16 @@ def _put(fs, path: str, data: bytes) -> None:
 
     if isinstance(fs, LocalFileSystem):
         tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     else:
         fs.pipe_file(path, data)
 
@@ -83,15 +106,35 @@ def write_features(cfg, out: str, console=None) -> FeaturesResult:
 
     Rank r captures samples r, r + N, r + 2N, ... and writes its own shards; rank 0 then writes the index.
     """
-    from safetensors.torch import save
+    with output_lock(out):
+        return _write_features(cfg, out, console)
 
+
+def _write_features(cfg, out: str, console) -> FeaturesResult:
     from flashdraft.train import distributed
     from flashdraft.train.loop import load_inputs
 
     here = distributed.world()
     device, _, target, data, _ = load_inputs(cfg, Path(cfg.log.out), console, offline=False)
-    fs, root = _fs(out)
-    fs.makedirs(root, exist_ok=True)
+    fs, root = _fs(out, cfg.s3)
+    if here.is_main:
+        fs.makedirs(root, exist_ok=True)
+        # The old index goes first: until the new one is written, the directory is not a features directory.
+        if fs.exists(f"{root}/{INDEX}"):
+            fs.rm_file(f"{root}/{INDEX}")
+    distributed.barrier()
+    width = len(target.target_layer_ids) * target.hidden_size
+    needed = (data.num_tokens * width + 2 * target.lm_head_weight.numel()) * target.dtype.itemsize
+    with room_for(out, needed, f"the features of {len(data)} samples",
+                  f"{out} has no {INDEX}, so train refuses it: make room, then run `flashdraft features` again"):  # fmt: skip
+        return _capture(cfg, out, fs, root, here, device, target, data)
+
+
+def _capture(cfg, out: str, fs, root: str, here, device, target, data) -> FeaturesResult:
+    from safetensors.torch import save
+
+    from flashdraft.train import distributed
+
     files: dict[str, list[int]] = {}
     buffer: dict[str, torch.Tensor] = {}
     size = total_bytes = 0
@@ -163,17 +206,15 @@ def write_features(cfg, out: str, console=None) -> FeaturesResult:
 class FeatureStore:
     """A features directory written by `write_features`, read one sample at a time (see the module docstring)."""
 
-    def __init__(self, url: str, device: torch.device | str = "cpu") -> None:
+    def __init__(self, url: str, device: torch.device | str = "cpu", s3=None) -> None:
+        """`s3`: timeouts and attempts for an s3:// URL (flashdraft.config.S3Config; default its defaults)."""
         self.url = url
         self.device = torch.device(device)
-        self.fs, self.root = _fs(url)
-        try:
-            self.index = json.loads(self.fs.cat_file(f"{self.root}/{INDEX}"))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"data.features = {url}: no {INDEX} there (run `flashdraft features --out "
-                                    f"{url}` first; the index is written last, so a cut-off run has none)") from None  # fmt: skip
-        if self.index.get("format") != FORMAT:
-            raise ValueError(f"data.features = {url}: {INDEX} has format {self.index.get('format')!r}, not {FORMAT}")
+        from flashdraft.config import S3Config
+
+        self.fs, self.root = _fs(url, s3)
+        self.attempts = (s3 or S3Config()).attempts
+        self.index = _read_index(self.fs, self.root, url)
         self.width = len(self.index["target_layer_ids"]) * int(self.index["hidden_size"])
         self._headers: dict[str, tuple[int, dict]] = {}
 
@@ -205,7 +246,7 @@ class FeatureStore:
         start, header = self._header(name)
         entry = header[str(index)]
         begin, end = entry["data_offsets"]
-        raw = self.fs.cat_file(f"{self.root}/{name}", start=start + begin, end=start + end)
+        raw = self._read(name, start + begin, start + end)
         dtype = _DTYPES[entry["dtype"]]
         return torch.frombuffer(bytearray(raw), dtype=dtype).view(entry["shape"])
 
@@ -220,10 +261,67 @@ class FeatureStore:
     def _header(self, name: str) -> tuple[int, dict]:
         """(offset of the data, header) of a safetensors file: an 8-byte little-endian length, then JSON."""
         if name not in self._headers:
-            path = f"{self.root}/{name}"
-            (n,) = struct.unpack("<Q", self.fs.cat_file(path, start=0, end=8))
-            self._headers[name] = (8 + n, json.loads(self.fs.cat_file(path, start=8, end=8 + n)))
+            (n,) = struct.unpack("<Q", self._read(name, 0, 8))
+            self._headers[name] = (8 + n, json.loads(self._read(name, 8, 8 + n)))
         return self._headers[name]
+
+    def _read(self, name: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of a file, read again when an object store cuts the transfer off."""
+        from flashdraft.data.sources import read_again_if_cut_off
+
+        path = f"{self.root}/{name}"
+        return read_again_if_cut_off(lambda: self.fs.cat_file(path, start=start, end=end), self.attempts, path)
+
+
+# field -> (check, what it must be)
+_INDEX_FIELDS = {
+    "target_layer_ids": (lambda v: isinstance(v, list) and v and all(type(i) is int and i >= 0 for i in v),
+                         "a non-empty list of layer indices"),
+    "hidden_size": (lambda v: type(v) is int and v > 0, "a positive integer"),
+    "dtype": (lambda v: v in ("bfloat16", "float16", "float32", "float64"), "bfloat16, float16, float32 or float64"),
+    "data_hash": (lambda v: isinstance(v, str) and v, "the content hash of the tokenised data"),
+    "num_samples": (lambda v: type(v) is int and v >= 0, "a sample count"),
+    "files": (lambda v: isinstance(v, list) and all(isinstance(n, str) and "/" not in n for n in v),
+              "a list of file names in the directory"),
+    "samples": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of file names"),
+}  # fmt: skip
+
+
+def _read_index(fs, root: str, url: str) -> dict:
+    """features.json, checked field by field; DataError naming the file and the field."""
+    where = f"{url.rstrip('/')}/{INDEX}"
+    try:
+        raw = fs.cat_file(f"{root}/{INDEX}")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"data.features = {url}: no {INDEX} there (run `flashdraft features --out "
+                                f"{url}` first; the index is written last, so a cut-off run has none)") from None  # fmt: skip
+
+    def bad(what: str, field: str | None = None) -> DataError:
+        return DataError(what, reason="unreadable_file", source=where, field=field, skippable=False)
+
+    try:
+        index = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise bad(f"not valid UTF-8 (byte {exc.start}): the file is damaged; run `flashdraft features` again") from None
+    except json.JSONDecodeError as exc:
+        raise bad(f"not valid JSON ({exc.msg}, line {exc.lineno} column {exc.colno}): the file is damaged; run "
+                  "`flashdraft features` again") from None  # fmt: skip
+    if not isinstance(index, dict):
+        raise bad(f"expected a JSON object, got {type(index).__name__}")
+    if index.get("format") != FORMAT:
+        raise bad(f"format {index.get('format')!r}, not {FORMAT}: capture the features again with this version",
+                  "format")  # fmt: skip
+    for field, (ok, expected) in _INDEX_FIELDS.items():
+        if field not in index:
+            raise bad("missing", field)
+        if not ok(index[field]):
+            raise bad(f"expected {expected}, got {index[field]!r:.80}", field)
+    if len(index["samples"]) != index["num_samples"]:
+        raise bad(f"{len(index['samples'])} entries for num_samples = {index['num_samples']}", "samples")
+    unknown = sorted(set(index["samples"]) - set(index["files"]))
+    if unknown:
+        raise bad(f"names {unknown[0]}, which is not among the index's files", "samples")
+    return index
 
 
 class HeadTarget:
@@ -291,7 +389,8 @@ def run(args) -> int:
     if not out:
         raise ValueError("features: where to? give --out DIR (local or s3://) or data.features=DIR")
     console = Console()
-    with distributed.session(cfg.train.device, "features") as here:
+    # Rank 0 takes the lock before the process group exists; every rank checks it once the group is up.
+    with output_lock(out), distributed.session(cfg.train.device, "features", output=_local_dir(out)) as here:
         if not here.is_main:
             console = Console(quiet=True)
         result = write_features(cfg, out, console)

@@ -213,42 +213,10 @@ class Encoder:
         return Rendered(full, spans, add_special_tokens=False)
 
     def _normalize(self, messages: Any, key: str, system: Any = None) -> list[dict]:
-        if not isinstance(messages, list):
-            raise DataError(f"expected a list of messages, got {type(messages).__name__}", field=key)
-        if not messages:
-            raise DataError("empty conversation", reason="empty_messages", field=key)
-        out = []
-        for i, m in enumerate(messages):
-            where = f"{key}[{i}]"
-            if not isinstance(m, dict):
-                raise DataError(f"expected an object, got {type(m).__name__}", field=where)
-            role_key = "role" if "role" in m else "from" if "from" in m else None
-            if role_key is None:
-                raise DataError("missing (expected 'role' or 'from')", reason="missing_field", field=f"{where}.role")
-            role = m[role_key]
-            if not isinstance(role, str):
-                raise DataError(f"expected a string, got {type(role).__name__}", field=f"{where}.{role_key}")
-            if role.lower() not in ROLES:
-                raise DataError(f"unknown role {role!r} (expected one of {', '.join(ROLES)})", reason="unknown_role",
-                                field=f"{where}.{role_key}")  # fmt: skip
-            role = ROLES[role.lower()]
-            content_key = "content" if "content" in m else "value" if "value" in m else None
-            content = m.get(content_key) if content_key else None
-            if content is None and role == "assistant" and m.get("tool_calls"):
-                content = ""
-            elif content_key is None:
-                raise DataError("missing (expected 'content' or 'value')", reason="missing_field",
-                                field=f"{where}.content")  # fmt: skip
-            content = _text_content(content, f"{where}.{content_key}")
-            # Parquet structs give absent keys as None; drop them so templates see them as undefined.
-            msg = {k: v for k, v in m.items() if k not in ("role", "from", "content", "value") and v is not None}
-            msg["role"], msg["content"] = role, content
-            if "reasoning_content" in msg and not isinstance(msg["reasoning_content"], str):
-                raise DataError(f"expected a string, got {type(msg['reasoning_content']).__name__}",
-                                field=f"{where}.reasoning_content")  # fmt: skip
-            if role == "assistant":
+        out = check_messages(messages, key)
+        for msg in out:
+            if msg["role"] == "assistant":
                 self._thinking(msg)
-            out.append(msg)
         if isinstance(system, str) and out[0]["role"] != "system":
             out.insert(0, {"role": "system", "content": system})
         if not any(m["role"] == "assistant" for m in out):
@@ -339,6 +307,49 @@ class Encoder:
             raise DataError(f"values must be 0 or 1, got {int(mask[bad[0]])} at position {int(bad[0])}",
                             field="loss_mask")  # fmt: skip
         return Sample(ids.astype(np.int32), mask.astype(np.uint8))
+
+
+def check_messages(messages: Any, key: str = "messages") -> list[dict]:
+    """The checks every input path applies to a conversation (training data, eval prompts, regeneration input):
+    a non-empty list of objects, each with a known role (`role`, or ShareGPT's `from`; names as in ROLES) and text
+    content (`content` or `value`: a string, or a list of {"type": "text"} parts; an assistant turn with
+    `tool_calls` may have none). Returns the messages with chat-template roles and string contents, their other
+    keys kept (None values, Parquet's absent struct keys, dropped). Raises DataError naming the field."""
+    if not isinstance(messages, list):
+        raise DataError(f"expected a list of messages, got {type(messages).__name__}", field=key)
+    if not messages:
+        raise DataError("empty conversation", reason="empty_messages", field=key)
+    out = []
+    for i, m in enumerate(messages):
+        where = f"{key}[{i}]"
+        if not isinstance(m, dict):
+            raise DataError(f"expected an object, got {type(m).__name__}", field=where)
+        role_key = "role" if "role" in m else "from" if "from" in m else None
+        if role_key is None:
+            raise DataError("missing (expected 'role' or 'from')", reason="missing_field", field=f"{where}.role")
+        role = m[role_key]
+        if not isinstance(role, str):
+            raise DataError(f"expected a string, got {type(role).__name__}", field=f"{where}.{role_key}")
+        if role.lower() not in ROLES:
+            raise DataError(f"unknown role {role!r} (expected one of {', '.join(ROLES)})", reason="unknown_role",
+                            field=f"{where}.{role_key}")  # fmt: skip
+        role = ROLES[role.lower()]
+        content_key = "content" if "content" in m else "value" if "value" in m else None
+        content = m.get(content_key) if content_key else None
+        if content is None and role == "assistant" and m.get("tool_calls"):
+            content = ""
+        elif content_key is None:
+            raise DataError("missing (expected 'content' or 'value')", reason="missing_field",
+                            field=f"{where}.content")  # fmt: skip
+        content = _text_content(content, f"{where}.{content_key}")
+        # Parquet structs give absent keys as None; drop them so templates see them as undefined.
+        msg = {k: v for k, v in m.items() if k not in ("role", "from", "content", "value") and v is not None}
+        msg["role"], msg["content"] = role, content
+        if "reasoning_content" in msg and not isinstance(msg["reasoning_content"], str):
+            raise DataError(f"expected a string, got {type(msg['reasoning_content']).__name__}",
+                            field=f"{where}.reasoning_content")  # fmt: skip
+        out.append(msg)
+    return out
 
 
 def _text_content(value: Any, where: str) -> str:

@@ -9,6 +9,11 @@ sizes and modification times or ETags — not their bytes, so a copied file coun
 option that changes the output). Re-running with the same inputs reuses it;
 different inputs refuse to overwrite it without --force. Bad records stop the run with the file and line (or row)
 unless --skip-bad, which skips and counts them per reason. Prints a summary table and the output path.
+
+One writer at a time: the shards are written under a lock beside the output directory (`.NAME.flashdraft-lock`,
+flashdraft.io.lock); a second `prepare` of the same directory stops naming the first. A disk, quota or file-size
+limit that fills up stops the run with the path and an estimate of the space needed; nothing half-written is left
+(an existing output directory stays as it was).
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from flashdraft.config import S3Config
 from flashdraft.data.errors import DataError, DataReport, redact
 from flashdraft.data.formats import FORMATS, Encoder, FormatConfig, Sample
 from flashdraft.data.shards import FORMAT_VERSION, ShardWriter, read_meta
 from flashdraft.data.sources import SourceFile, iter_records, resolve_sources
+from flashdraft.io import lock
+from flashdraft.io.space import room_for
 
 OVERLONG = ("truncate", "drop")
 AUTO_WORKERS_BYTES = 32 << 20
@@ -54,6 +62,8 @@ class PrepareConfig:
     """Skip bad records (counted per reason) instead of stopping at the first."""
     endpoint_url: str | None = None
     """S3-compatible endpoint; default AWS_ENDPOINT_URL (or AWS's own endpoint)."""
+    s3: S3Config = field(default_factory=S3Config)
+    """Timeouts and attempts of s3:// reads (see S3Config)."""
     force: bool = False
     """Rebuild, replacing an existing output directory."""
     progress: bool = True
@@ -178,21 +188,39 @@ def prepare_shards(cfg: PrepareConfig, *, tokenizer=None, console=None) -> Prepa
     encoder = Encoder(tokenizer, cfg.format)
     if cfg.format.format in ("chat", "sharegpt"):
         encoder.check_chat_template()
-    files = resolve_sources(cfg.data, endpoint_url=cfg.endpoint_url)
+    files = resolve_sources(cfg.data, endpoint_url=cfg.endpoint_url, s3=cfg.s3)
     tok_hash = tokenizer_fingerprint(tokenizer)
     hashes = input_hashes(files, tok_hash, cfg)
     out = Path(cfg.out)
     meta = _reuse(out, hashes, cfg)
     if meta is not None:
         return PrepareResult(out, meta["counts"], reused=True)
+    with lock.hold(out, "prepare", beside=True):
+        # Another run may have written the same shards while this one was reading its inputs.
+        meta = None if cfg.force else _reuse(out, hashes, cfg)
+        if meta is not None:
+            return PrepareResult(out, meta["counts"], reused=True)
+        return _write(cfg, files, hashes, tok_hash, tokenizer, encoder, console)
 
+
+def _write(cfg: PrepareConfig, files, hashes, tok_hash, tokenizer, encoder, console) -> PrepareResult:
+    out = Path(cfg.out)
     report = DataReport(skip_bad=cfg.skip_bad)
     started = time.time()
+    total, read, writer = sum(f.size for f in files), [0], None
     with ExitStack() as stack:
+        kept = "the shards already there are unchanged" if out.exists() else "nothing was kept"
+        stack.enter_context(room_for(out.parent, lambda: _needed(writer, read[0], total), f"the shards {out}",
+                                     f"{kept[0].upper()}{kept[1:]}: make room, then run again"))  # fmt: skip
         writer = stack.enter_context(ShardWriter(out, replace=True))
         advance = stack.enter_context(_progress(files, cfg, console))
+
+        def counted(nbytes: int, records: int | None = None) -> None:
+            read[0] += nbytes
+            advance(nbytes, records)
+
         # bad lines come back in place (yield_errors), so the first error reported is the first in the files
-        records = iter_records(files, report, progress=advance, yield_errors=True)
+        records = iter_records(files, report, progress=counted, yield_errors=True)
         batches = iter(lambda: list(islice(records, cfg.batch_size)), [])
         encoded = stack.enter_context(closing(_encoded(batches, encoder, _workers(cfg, files))))
         for batch, results in encoded:
@@ -224,6 +252,12 @@ def prepare_shards(cfg: PrepareConfig, *, tokenizer=None, console=None) -> Prepa
             }
         )
     return PrepareResult(out, report.as_dict(), reused=False, report=report)
+
+
+def _needed(writer: ShardWriter | None, read: int, total: int) -> int:
+    """About the size of the finished shards: what is written so far, scaled by the part of the input read."""
+    written = writer.num_bytes if writer is not None else 0
+    return int(written * total / read) if read and total > read else written
 
 
 def _workers(cfg: PrepareConfig, files: list[SourceFile]) -> int:
@@ -330,6 +364,13 @@ def add_parser(sub) -> None:
     p.add_argument("--template-kwargs", default=None, metavar="JSON",
                    help='extra chat-template variables, e.g. \'{"enable_thinking": false}\'')  # fmt: skip
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
+    defaults = S3Config()
+    p.add_argument("--s3-connect-timeout", type=float, default=defaults.connect_timeout, metavar="S",
+                   help=f"s3://: seconds to wait for a connection (default {defaults.connect_timeout:g})")  # fmt: skip
+    p.add_argument("--s3-read-timeout", type=float, default=defaults.read_timeout, metavar="S",
+                   help=f"s3://: seconds an open connection may stay silent (default {defaults.read_timeout:g})")  # fmt: skip
+    p.add_argument("--s3-attempts", type=int, default=defaults.attempts, metavar="N",
+                   help=f"s3://: tries per request, the first included (default {defaults.attempts})")  # fmt: skip
     p.add_argument("--force", action="store_true", help="rebuild and replace an existing --out")
     p.add_argument("--workers", type=int, default=None,
                    help="tokenising processes (default: 1 for small inputs, else half the cores, max 8)")  # fmt: skip
@@ -347,6 +388,16 @@ def _json_object(text: str | None, option: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{option}: expected a JSON object such as '{{\"enable_thinking\": false}}', got {text!r}")
     return value
+
+
+def _s3_config(args) -> S3Config:
+    for flag, value in (("--s3-connect-timeout", args.s3_connect_timeout), ("--s3-read-timeout", args.s3_read_timeout)):
+        if not value > 0:
+            raise ValueError(f"{flag} {value:g}: must be > 0 (seconds)")
+    if args.s3_attempts < 1:
+        raise ValueError(f"--s3-attempts {args.s3_attempts}: must be >= 1 (the first try included)")
+    return S3Config(connect_timeout=args.s3_connect_timeout, read_timeout=args.s3_read_timeout,
+                    attempts=args.s3_attempts)  # fmt: skip
 
 
 def run(args) -> int:
@@ -367,6 +418,7 @@ def run(args) -> int:
         overlong=args.overlong,
         skip_bad=args.skip_bad,
         endpoint_url=args.endpoint_url,
+        s3=_s3_config(args),
         force=args.force,
         progress=not args.no_progress,
         workers=args.workers,

@@ -8,6 +8,9 @@ generated with the target's chat template; for raw-text records (`prompt`, optio
 continued. Output is JSONL in the same shape (`messages` ending with the new reply, or `prompt` + `response`), plus
 `source` ("file:line") for provenance.
 
+Input records go through the checks training data gets (flashdraft.data.sources, formats.check_messages: UTF-8,
+JSON objects, known roles, text contents); a bad one stops the run naming the file, the line and the field.
+
 Resumable: each finished record is appended (flushed and fsynced) with its input index; a rerun skips what is done
 and drops a torn last line. Batched HF generation (left padding), or vLLM / SGLang's offline engines when installed
 (`--backend`), with a progress bar. Inputs are read through
@@ -26,8 +29,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.data.errors import DataError
-
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+from flashdraft.data.formats import check_messages
 
 
 @dataclass
@@ -39,31 +41,31 @@ class Job:
     prompt: str | None = None
 
 
-def _job(index: int, where: str, data: dict) -> Job:
+def _job(index: int, rec) -> Job:
+    """The job of one input record (a `flashdraft.data.sources.Record`); DataError naming its file, line, field."""
+    try:
+        return _parse_job(index, rec.where(), rec.data)
+    except DataError as err:
+        raise err.at(rec.source, line=rec.line, row=rec.row) from None
+
+
+def _parse_job(index: int, where: str, data: dict) -> Job:
     if "messages" in data or "conversations" in data:
-        raw = data.get("messages", data.get("conversations"))
-        if not isinstance(raw, list) or not raw:
-            raise DataError(f"{where}: 'messages' must be a non-empty list")
-        messages = []
-        for turn in raw:
-            if not isinstance(turn, dict):
-                raise DataError(f"{where}: every turn must be an object, got {type(turn).__name__}")
-            role = turn.get("role", _SHAREGPT_ROLES.get(str(turn.get("from")), turn.get("from")))
-            content = turn.get("content", turn.get("value"))
-            if role not in ("system", "user", "assistant") or not isinstance(content, str):
-                raise DataError(
-                    f"{where}: a turn needs role system/user/assistant and string content, got {turn!r:.80}"
-                )
-            messages.append({"role": role, "content": content})
+        key = "messages" if "messages" in data else "conversations"
+        messages = check_messages(data[key], key)
         last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
         if last_user is None:
-            raise DataError(f"{where}: no user turn to answer")
+            raise DataError("no user turn to answer", reason="missing_field", field=key)
         return Job(index, where, "chat", messages=messages[: last_user + 1])
-    if isinstance(data.get("prompt"), str):
+    if "prompt" in data:
+        if not isinstance(data["prompt"], str):
+            raise DataError(f"expected a string, got {type(data['prompt']).__name__}", field="prompt")
         return Job(index, where, "text", prompt=data["prompt"])
     if isinstance(data.get("text"), str):
-        raise DataError(f"{where}: a 'text' record has no prompt to continue; give 'prompt' (and 'response')")
-    raise DataError(f"{where}: expected 'messages', 'conversations' or 'prompt', got keys {sorted(data)}")
+        raise DataError("a 'text' record has no prompt to continue; give 'prompt' (and 'response')", field="text",
+                        reason="missing_field")  # fmt: skip
+    raise DataError(f"expected 'messages', 'conversations' or 'prompt', got keys {sorted(data)}",
+                    reason="unknown_format")  # fmt: skip
 
 
 def _done_indices(out: Path) -> set[int]:
@@ -201,7 +203,7 @@ def regenerate(target, tokenizer, data: list[str], out: str | Path, *, temperatu
         if limit is not None and index >= limit:
             break
         if index not in done:
-            jobs.append(_job(index, rec.where(), rec.data))
+            jobs.append(_job(index, rec))
     counts = {"read": len(jobs) + len(done), "written": 0, "already_done": len(done), "seconds": 0.0}
     texts = {j.index: _render(j, tokenizer) for j in jobs}
     if isinstance(generate, HFGenerator):

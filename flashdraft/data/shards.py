@@ -17,6 +17,7 @@ sample index, the seed and the epoch, and the permutation sorts them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -62,6 +63,11 @@ class ShardWriter:
     def __len__(self) -> int:
         return len(self._lengths)
 
+    @property
+    def num_bytes(self) -> int:
+        """Bytes written so far (token ids and loss masks)."""
+        return self.num_tokens * 5
+
     def add(self, sample: Sample) -> None:
         ids = np.ascontiguousarray(sample.input_ids, dtype=np.int32)
         mask = np.ascontiguousarray(sample.loss_mask, dtype=np.uint8)
@@ -81,7 +87,9 @@ class ShardWriter:
             os.fsync(f.fileno())
             f.close()
         index = np.stack([np.frombuffer(self._offsets, np.int64), np.frombuffer(self._lengths, np.int64)], axis=1)
-        np.save(self.tmp / INDEX, index.reshape(-1, 2))
+        with open(self.tmp / INDEX, "wb") as f:
+            np.save(f, index.reshape(-1, 2))
+            _sync(f)
         meta = {
             **(meta or {}),
             "format_version": FORMAT_VERSION,
@@ -90,7 +98,10 @@ class ShardWriter:
             "num_loss_tokens": self.num_loss_tokens,
             "files": {"input_ids": [INPUT_IDS, "int32"], "loss_mask": [LOSS_MASK, "uint8"], "index": INDEX},
         }
-        (self.tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        with open(self.tmp / META, "w") as f:
+            f.write(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+            _sync(f)
+        _sync_dir(self.tmp)  # the files' names too, before the rename publishes them
         if self.out.exists():
             if not self.replace:
                 raise DataError(f"{self.out} already exists (pass --force to replace it)", skippable=False)
@@ -100,15 +111,31 @@ class ShardWriter:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(self.tmp, self.out)
+        _sync_dir(self.out.parent)
         self.committed = True
         return self.out
 
     def abort(self) -> None:
         for f in (self._ids, self._mask):
             if not f.closed:
-                f.close()
+                # Closing flushes what is buffered, which fails again on a full disk: the files go anyway.
+                with contextlib.suppress(OSError):
+                    f.close()
         if self.tmp.exists():
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _sync(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any] | None:

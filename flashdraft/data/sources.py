@@ -9,14 +9,21 @@ as streams — JSONL line by line through a read-ahead buffer, Parquet row group
 never downloaded in full before work starts. S3 credentials come from the usual AWS variables and profiles (s3fs /
 botocore resolve them); an S3-compatible store is reached with `endpoint_url` or `AWS_ENDPOINT_URL`. Messages show
 paths with any embedded credentials removed, and never a secret.
+
+S3 fails fast (flashdraft.config.S3Config: `s3.connect_timeout`, `s3.read_timeout`, `s3.attempts`): botocore gets the
+timeouts and retries each request in its "standard" mode; s3fs's own retry loop, which would multiply those
+attempts, is turned off, and a transfer cut mid-body is read again here instead. An endpoint that never answers is
+reported within about attempts x read_timeout, naming the URL, the endpoint and the setting to raise.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import re
+import time
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +31,10 @@ from typing import Any
 
 from fsspec.core import url_to_fs
 
+from flashdraft.config import S3Config
 from flashdraft.data.errors import DataError, DataReport, redact
+
+logger = logging.getLogger(__name__)
 
 SUFFIXES = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}
 _GLOB_CHARS = "*?["
@@ -33,6 +43,10 @@ _CREDENTIAL_HINT = (
     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE / ~/.aws/credentials); "
     "for an S3-compatible store also --endpoint-url or AWS_ENDPOINT_URL"
 )
+_REMOTE_MODULES = ("botocore", "aiobotocore", "s3fs", "aiohttp")
+# Exceptions of a response body cut off mid-transfer (botocore retries requests, not the reading of their bodies).
+_CUT_OFF = {"ClientPayloadError", "IncompleteRead", "IncompleteReadError", "ResponseStreamingError"}
+_CONNECT = {"ConnectTimeoutError", "EndpointConnectionError", "ClientConnectorError", "ProxyConnectionError"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,7 @@ class SourceFile:
     size: int
     fingerprint: str  # size + mtime (local) or ETag (remote): identifies the content without reading it
     fs: Any = field(compare=False, repr=False)
+    s3: S3Config = field(default_factory=S3Config, compare=False, repr=False)
 
 
 @dataclass
@@ -69,32 +84,77 @@ def file_kind(path: str) -> str | None:
     return None
 
 
-def storage_options_for(protocol: str, endpoint_url: str | None = None) -> dict:
-    """fsspec options for a protocol: S3 gets `endpoint_url` (argument, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL)."""
+def storage_options_for(protocol: str, endpoint_url: str | None = None, s3: S3Config | None = None) -> dict:
+    """fsspec options for a protocol: S3 gets `endpoint_url` (argument, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL)
+    and the timeouts and attempts of `s3` (default: S3Config's)."""
     if protocol not in ("s3", "s3a"):
         return {}
-    url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    s3 = s3 or S3Config()
+    url = endpoint_url or endpoint()
     # A fresh instance: fsspec caches filesystems by options, and a cached one would keep credentials (or their
     # absence) from before the environment changed.
-    opts: dict[str, Any] = {"skip_instance_cache": True}
+    opts: dict[str, Any] = {
+        "skip_instance_cache": True,
+        "config_kwargs": {
+            "connect_timeout": s3.connect_timeout,
+            "read_timeout": s3.read_timeout,
+            "retries": {"total_max_attempts": s3.attempts, "mode": "standard"},
+        },
+    }
     if url:
         opts["endpoint_url"] = url
     return opts
 
 
-def _remote_error(exc: BaseException, url: str) -> DataError:
+def open_fs(url: str, endpoint_url: str | None = None, s3: S3Config | None = None):
+    """(filesystem, path) of `url` with `storage_options_for` its protocol."""
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    fs, path = url_to_fs(url, **storage_options_for(protocol, endpoint_url, s3))
+    if hasattr(fs, "retries") and protocol in ("s3", "s3a"):
+        # One try per s3fs call: botocore retries each request (config_kwargs), and s3fs's own loop around it
+        # (a class attribute, 5) would multiply the attempts, nested once more for ranged reads.
+        fs.retries = 1
+    return fs, path
+
+
+def endpoint(given: str | None = None) -> str | None:
+    """The S3 endpoint in use: `given`, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else None (AWS itself)."""
+    return given or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
+def is_remote_error(exc: BaseException) -> bool:
+    """An error of the object store or the network under it (not of the data)."""
+    return any(c.__module__.startswith(_REMOTE_MODULES) for c in type(exc).__mro__) or isinstance(exc, TimeoutError)
+
+
+def remote_error(
+    exc: BaseException, url: str, s3: S3Config | None = None, endpoint_url: str | None = None
+) -> DataError:
     """Turn an fsspec/s3fs/botocore exception into a DataError that names the path and says how to fix it."""
+    s3 = s3 or S3Config()
     name = type(exc).__name__
     text = redact(str(exc))
+    names = {c.__name__ for c in type(exc).__mro__}
+    where = f"the S3 endpoint {redact(endpoint_url)}" if endpoint_url else "S3 (no endpoint_url set: AWS itself)"
+
+    def error(what: str) -> DataError:
+        return DataError(what, reason="unreadable_file", source=url, skippable=False)
+
     if name in ("NoCredentialsError", "PartialCredentialsError") or "Unable to locate credentials" in text:
-        return DataError(f"no S3 credentials found: {_CREDENTIAL_HINT}", reason="unreadable_file", source=url,
-                         skippable=False)  # fmt: skip
+        return error(f"no S3 credentials found: {_CREDENTIAL_HINT}")
     if isinstance(exc, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text:
-        return DataError(f"access denied ({name}): check the credentials and the bucket policy", source=url,
-                         reason="unreadable_file", skippable=False)  # fmt: skip
+        return error(f"access denied ({name}): check the credentials and the bucket policy")
     if isinstance(exc, FileNotFoundError):
-        return DataError("no such file, directory or bucket", reason="unreadable_file", source=url, skippable=False)
-    return DataError(f"cannot read ({name}: {text})", reason="unreadable_file", source=url, skippable=False)
+        return error("no such file, directory or bucket")
+    if names & _CONNECT:
+        return error(f"cannot connect to {where} ({name}, {s3.attempts} attempts of at most {s3.connect_timeout:g} "
+                     "s): check the endpoint URL (--endpoint-url / AWS_ENDPOINT_URL) and the network, or raise "
+                     "s3.connect_timeout (flashdraft prepare: --s3-connect-timeout)")  # fmt: skip
+    if "Timeout" in name or isinstance(exc, TimeoutError):
+        return error(f"no answer from {where} within s3.read_timeout = {s3.read_timeout:g} s ({s3.attempts} "
+                     f"attempts, {name}): check that the endpoint is an S3 service that is up, or raise "
+                     "s3.read_timeout (flashdraft prepare: --s3-read-timeout)")  # fmt: skip
+    return error(f"cannot read ({name}: {text})")
 
 
 def _display(protocol: str, path: str) -> str:
@@ -106,12 +166,16 @@ def _fingerprint(info: dict) -> str:
     return f"{info.get('size')}:{tag}"
 
 
-def resolve_sources(specs: Sequence[str], *, endpoint_url: str | None = None) -> list[SourceFile]:
+def resolve_sources(
+    specs: Sequence[str], *, endpoint_url: str | None = None, s3: S3Config | None = None
+) -> list[SourceFile]:
     """The input files of `specs` (files, directories, globs; local or remote), in order, each spec sorted.
 
     Raises a non-skippable DataError naming the spec when it matches nothing, names an unsupported file type, or
-    the store cannot be reached (no credentials, access denied, no such bucket).
+    the store cannot be reached (no credentials, access denied, no such bucket, no answer within the timeouts of
+    `s3`).
     """
+    s3 = s3 or S3Config()
     files: list[SourceFile] = []
     for spec in specs:
         spec = os.path.expanduser(str(spec))
@@ -122,7 +186,7 @@ def resolve_sources(specs: Sequence[str], *, endpoint_url: str | None = None) ->
                             source=shown, skippable=False)  # fmt: skip
         protocol = spec.split("://", 1)[0] if "://" in spec else "file"
         try:
-            fs, root = url_to_fs(spec, **storage_options_for(protocol, endpoint_url))
+            fs, root = open_fs(spec, endpoint_url, s3)
         except ImportError as exc:
             raise DataError(f"no filesystem for '{protocol}://' ({exc}); for S3 install s3fs (pip install s3fs)",
                             reason="unreadable_file", source=shown, skippable=False) from None  # fmt: skip
@@ -132,14 +196,14 @@ def resolve_sources(specs: Sequence[str], *, endpoint_url: str | None = None) ->
         except DataError as err:
             raise err.at(shown) from None
         except Exception as exc:
-            raise _remote_error(exc, shown) from None
+            raise remote_error(exc, shown, s3, endpoint(endpoint_url)) from None
         if not infos:
             raise DataError("matches no .jsonl, .jsonl.gz or .parquet file", reason="unreadable_file", source=shown,
                             skippable=False)  # fmt: skip
         for path, info in infos:
             size = int(info.get("size") or 0)
             files.append(SourceFile(url=_display(protocol, path), path=path, kind=file_kind(path), size=size,
-                                    fingerprint=_fingerprint(info), fs=fs))  # fmt: skip
+                                    fingerprint=_fingerprint(info), fs=fs, s3=s3))  # fmt: skip
     return files
 
 
@@ -181,13 +245,14 @@ def iter_records(
         except DataError as exc:
             bad = exc.at(f.url)
         except (OSError, EOFError, zlib.error) as exc:
-            if isinstance(exc, (FileNotFoundError, PermissionError)) or "credentials" in str(exc).lower():
-                raise _remote_error(exc, f.url) from None
+            remote = is_remote_error(exc) or isinstance(exc, (FileNotFoundError, PermissionError))
+            if remote or "credentials" in str(exc).lower():
+                raise remote_error(exc, f.url, f.s3, _fs_endpoint(f.fs)) from None
             bad = DataError(f"unreadable or corrupt file ({type(exc).__name__}: {redact(str(exc))})",
                             reason="unreadable_file", source=f.url)  # fmt: skip
         except Exception as exc:
-            if type(exc).__module__.startswith(("botocore", "aiobotocore", "s3fs")):
-                raise _remote_error(exc, f.url) from None
+            if is_remote_error(exc):
+                raise remote_error(exc, f.url, f.s3, _fs_endpoint(f.fs)) from None
             raise
         if yield_errors and bad.skippable:
             yield Record(None, f.url, error=bad)
@@ -195,20 +260,53 @@ def iter_records(
             report.skip(bad)
 
 
-class _Counting:
-    """A read-only binary stream that reports bytes read, so progress is in bytes of the (compressed) source."""
+def _fs_endpoint(fs) -> str | None:
+    return getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
 
-    def __init__(self, raw, progress):
-        self.raw, self.progress = raw, progress
+
+def read_again_if_cut_off(read, attempts: int, what: str):
+    """`read()`, tried up to `attempts` times while the answer is cut off mid-body (botocore retries requests,
+    not the reading of their bodies); any other error, or the last cut, is raised."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return read()
+        except Exception as exc:
+            if attempt == attempts or not {c.__name__ for c in type(exc).__mro__} & _CUT_OFF:
+                raise
+            logger.warning("%s: transfer cut off (%s), reading again (attempt %d of %d)", what,
+                           type(exc).__name__, attempt + 1, attempts)  # fmt: skip
+            time.sleep(min(0.1 * 2**attempt, 5.0))
+    raise AssertionError("unreachable")
+
+
+class _Stream:
+    """A read-only binary stream over an fsspec file: reads cut off mid-transfer are read again (`s3.attempts`),
+    and bytes read are reported, so progress is in bytes of the (compressed) source. Seekable for Parquet."""
+
+    def __init__(self, raw, progress, f: SourceFile):
+        self.raw, self.progress, self.f = raw, progress, f
 
     def read(self, n=-1):
-        data = self.raw.read(n)
+        data = read_again_if_cut_off(lambda: self.raw.read(n), self.f.s3.attempts, self.f.url)
         if self.progress is not None and data:
             self.progress(len(data))
         return data
 
+    def seek(self, offset, whence=0):
+        return self.raw.seek(offset, whence)
+
+    def tell(self):
+        return self.raw.tell()
+
     def readable(self):
         return True
+
+    def seekable(self):
+        return True
+
+    @property
+    def closed(self):
+        return self.raw.closed
 
     def close(self):
         pass
@@ -218,9 +316,9 @@ def _iter_jsonl(f: SourceFile, report: DataReport, progress) -> Iterator[Record]
     try:
         raw = f.fs.open(f.path, "rb")
     except Exception as exc:
-        raise _remote_error(exc, f.url) from None
+        raise remote_error(exc, f.url, f.s3, _fs_endpoint(f.fs)) from None
     with raw:
-        stream = _Counting(raw, progress)
+        stream = _Stream(raw, progress, f)
         lines = gzip.GzipFile(fileobj=stream, mode="rb") if f.path.lower().endswith(".gz") else _lines(stream)
         n_records = 0
         for lineno, line in enumerate(lines, start=1):
@@ -273,12 +371,12 @@ def _iter_parquet(f: SourceFile, report: DataReport, progress) -> Iterator[Recor
     try:
         raw = f.fs.open(f.path, "rb")
     except Exception as exc:
-        raise _remote_error(exc, f.url) from None
+        raise remote_error(exc, f.url, f.s3, _fs_endpoint(f.fs)) from None
     with raw:
         try:
-            pf = pq.ParquetFile(raw)
+            pf = pq.ParquetFile(_Stream(raw, None, f))
         except Exception as exc:
-            if type(exc).__module__.startswith(("botocore", "aiobotocore", "s3fs")):
+            if is_remote_error(exc):
                 raise
             raise DataError(f"not a readable Parquet file ({type(exc).__name__}: {exc})", reason="unreadable_file",
                             source=f.url) from None  # fmt: skip

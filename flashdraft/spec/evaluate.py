@@ -41,58 +41,61 @@ class Prompt:
 
 
 def load_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[Prompt]:
-    """Read and tokenize a prompts JSONL file; a malformed line raises ValueError naming `path:line`."""
-    path = Path(path)
-    if not path.is_file():
+    """Read and tokenize a prompts JSONL file, through the checks training data gets (flashdraft.data.sources and
+    formats.check_messages: UTF-8, JSON objects, known roles, text contents); a bad line raises DataError
+    naming `path:line` and the field."""
+    from flashdraft.data.errors import DataError
+    from flashdraft.data.sources import iter_records, resolve_sources
+
+    if "://" not in str(path) and not Path(path).is_file():
         raise FileNotFoundError(f"prompts file {path} does not exist")
     prompts: list[Prompt] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    try:
+        for record in iter_records(resolve_sources([str(path)])):
             if limit is not None and len(prompts) >= limit:
                 break
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            prompts.append(Prompt(_tokenize(record, tokenizer, where), _category(record, where), lineno))
+                prompt = Prompt(_tokenize(record.data, tokenizer), _category(record.data), record.line or 0)
+            except DataError as err:
+                raise err.at(record.source, line=record.line, row=record.row) from None
+            prompts.append(prompt)
+    except DataError as err:
+        if err.reason != "empty_file":
+            raise
     if not prompts:
-        raise ValueError(f"{path}: no prompts (expected JSON lines with 'messages' or 'prompt')")
+        raise DataError("no prompts (expected JSON lines with 'messages' or 'prompt')", reason="empty_file",
+                        source=str(path), skippable=False)  # fmt: skip
     return prompts
 
 
-def _category(record: dict, where: str) -> str:
+def _category(record: dict) -> str:
+    from flashdraft.data.errors import DataError
+
     category = record.get("category", "all")
     if not isinstance(category, str) or not category:
-        raise ValueError(f"{where}: 'category' must be a non-empty string, got {category!r}")
+        raise DataError(f"'category' must be a non-empty string, got {category!r}")
     return category
 
 
-def _tokenize(record, tokenizer, where: str) -> torch.Tensor:
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+def _tokenize(record: dict, tokenizer) -> torch.Tensor:
+    from flashdraft.data.errors import DataError
+    from flashdraft.data.formats import check_messages
+
     if "messages" in record:
-        messages = record["messages"]
-        if not (
-            isinstance(messages, list)
-            and messages
-            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages)
-        ):
-            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role': str, 'content': ...}}")
+        messages = check_messages(record["messages"], "messages")
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"{where}: 'messages' needs a chat template, and the target's tokenizer has none")
+            raise DataError("'messages' needs a chat template, and the target's tokenizer has none")
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     elif "prompt" in record:
         if not isinstance(record["prompt"], str):
-            raise ValueError(f"{where}: 'prompt' must be a string, got {type(record['prompt']).__name__}")
+            raise DataError(f"'prompt' must be a string, got {type(record['prompt']).__name__}")
         ids = tokenizer(record["prompt"])["input_ids"]
     else:
-        raise ValueError(f"{where}: expected a 'messages' or a 'prompt' field, got keys {sorted(record)}")
+        raise DataError(f"expected a 'messages' or a 'prompt' field, got keys {sorted(record)}",
+                        reason="missing_field")  # fmt: skip
     if not ids:
-        raise ValueError(f"{where}: the prompt tokenizes to nothing")
+        raise DataError("the prompt tokenizes to nothing", reason="empty_sample")
     return torch.tensor([ids], dtype=torch.long)
 
 

@@ -21,6 +21,17 @@ the commit; afterwards `OUT/checkpoints/latest` (a one-line file naming the newe
 people) is replaced atomically and checkpoints beyond `keep` are deleted. `latest()` does not trust the pointer: it
 verifies checkpoints newest first and falls back, with a warning, past any that is partial or corrupt.
 
+Verified, not trusted: MANIFEST.json must parse and carry this FORMAT_VERSION (another version is an error that
+stops the resume, not a checkpoint to skip: skipping it would resume from an older one and then prune the newer
+ones). Every file it lists must be a known part of a checkpoint, present, of its size and sha256; a file on disk that
+it does not list is named in a warning and never read (weights are loaded by the manifest's list, not by a glob).
+`load` hashes the very bytes it deserialises, in the same pass, so nothing changed after a verification is loaded.
+
+Saving happens under the output directory's lock (flashdraft.io.lock: taken by `flashdraft train` for the whole run,
+or here for the save), so removing leftovers of interrupted saves and pruning never touch another run's files. A
+save that runs out of room (disk full, quota, `ulimit -f`) removes its temporary directory and raises StorageFull
+naming the directory, the space needed and the newest intact checkpoint.
+
 Under torchrun (a process group is initialised) `save` and `load` are collective — every rank calls them — and
 the optimizer and model state go through torch.distributed.checkpoint instead of optimizer.pt:
 
@@ -36,8 +47,10 @@ one-process checkpoint resumes under torchrun too (its optimizer.pt is loaded wh
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+import io
 import json
 import logging
 import os
@@ -46,13 +59,17 @@ import re
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
 from torch import nn
+
+from flashdraft.io import lock
+from flashdraft.io.space import room_for
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +79,23 @@ POINTER = "latest"
 TMP_PREFIX = ".tmp-"
 REQUIRED_FILES = ("drafter/config.json", "optimizer.pt", "scheduler.pt", "rng.pt", "trainer_state.json")
 SHARDED = "sharded"
+# What a manifest may list: the files above, the drafter's save_pretrained directory, DCP's sharded directory.
+KNOWN_DIRS = ("drafter/", f"{SHARDED}/")
 # A checkpoint written under torchrun has its optimizer state in DCP's sharded files instead of optimizer.pt.
 SHARDED_INSTEAD = {"optimizer.pt": f"{SHARDED}/.metadata"}
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _HASH_CHUNK = 8 << 20
+# Room for what is not a tensor (configs, pickled containers, the manifest) in the size estimate of a checkpoint.
+_OVERHEAD = 1 << 20
 
 
 class CheckpointError(ValueError):
     """A checkpoint is partial, corrupt or does not fit the model; the message names the path and what is wrong."""
+
+
+class CheckpointFormatError(CheckpointError):
+    """A checkpoint of another format version: not damage to skip, but a version mismatch to resolve."""
 
 
 class CheckpointManager:
@@ -78,11 +104,9 @@ class CheckpointManager:
     def __init__(self, out_dir: str | os.PathLike, keep: int = 2) -> None:
         if keep < 1:
             raise ValueError(f"keep = {keep}: must be >= 1 (the checkpoint just written is always kept)")
-        self.root = Path(out_dir) / "checkpoints"
+        self.out = Path(out_dir)
+        self.root = self.out / "checkpoints"
         self.keep = keep
-        # path -> (size, mtime) of every manifest file when it last verified, so `load` right after `latest`
-        # does not hash gigabytes twice.
-        self._verified: dict[Path, tuple] = {}
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
@@ -118,26 +142,27 @@ class CheckpointManager:
         state_json = _trainer_state_json(step, trainer_state)
         if _distributed():
             return self._save_sharded(step, drafter, optimizer, scheduler, rng, state_json)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._remove_stale_tmp()
         final = self.path_for(step)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=self.root))
-        try:
-            _unwrap(drafter).save_pretrained(tmp / "drafter")
-            _torch_save(optimizer.state_dict(), tmp / "optimizer.pt")
-            _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
-            _torch_save(rng, tmp / "rng.pt")
-            _write_text(tmp / "trainer_state.json", state_json)
-            files = _hash_files(tmp, sorted(_relative_files(tmp)))
-            manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
-            _write_text(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-            _fsync_tree(tmp)
-            self._install(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        self._write_pointer(final.name)
-        self._prune(step)
+        with lock.hold(self.out, "train") as held, self._room(final, _estimate_bytes(drafter, optimizer)):
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_tmp(held)
+            tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=self.root))
+            try:
+                _unwrap(drafter).save_pretrained(tmp / "drafter")
+                _torch_save(optimizer.state_dict(), tmp / "optimizer.pt")
+                _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
+                _torch_save(rng, tmp / "rng.pt")
+                _write_text(tmp / "trainer_state.json", state_json)
+                files = _hash_files(tmp, sorted(_relative_files(tmp)))
+                manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
+                _write_text(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+                _fsync_tree(tmp)
+                self._install(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            self._write_pointer(final.name)
+            self._prune(step, held)
         logger.info("checkpoint %s written", final)
         return final
 
@@ -150,40 +175,52 @@ class CheckpointManager:
 
         main = dist.get_rank() == 0
         final = self.path_for(step)
-        # Collective (an all-gather of every shard); only rank 0 keeps the result, in CPU memory.
-        full = get_model_state_dict(drafter, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        tmp = None
-        if main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._remove_stale_tmp()
-            tmp = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=self.root)
-        box = [tmp]
-        dist.broadcast_object_list(box, src=0)
-        tmp = Path(box[0])
-        try:
-            model_state, optim_state = get_state_dict(drafter, optimizer)
-            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp / SHARDED)
+        with contextlib.ExitStack() as stack:
+            held = stack.enter_context(lock.hold(self.out, "train")) if main else None
+            # drafter/ holds the gathered weights once more, beside their shards
+            stack.enter_context(self._room(final, _estimate_bytes(drafter, optimizer, weights_twice=True)))
+            # Collective (an all-gather of every shard); only rank 0 keeps the result, in CPU memory.
+            full = get_model_state_dict(drafter, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            tmp = None
             if main:
-                _save_plain_drafter(drafter, full, tmp / "drafter")
-                _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
-                _torch_save(rng, tmp / "rng.pt")
-                _write_text(tmp / "trainer_state.json", state_json)
-                files = _hash_files(tmp, sorted(_relative_files(tmp)))
-                manifest = {"format": FORMAT_VERSION, "step": step, "ranks": dist.get_world_size(), "files": files}
-                _write_text(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-                _fsync_tree(tmp)
-                self._install(tmp, final)
-        except BaseException:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._remove_stale_tmp(held)
+                tmp = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=self.root)
+            box = [tmp]
+            dist.broadcast_object_list(box, src=0)
+            tmp = Path(box[0])
+            try:
+                model_state, optim_state = get_state_dict(drafter, optimizer)
+                dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp / SHARDED)
+                if main:
+                    _save_plain_drafter(drafter, full, tmp / "drafter")
+                    _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
+                    _torch_save(rng, tmp / "rng.pt")
+                    _write_text(tmp / "trainer_state.json", state_json)
+                    files = _hash_files(tmp, sorted(_relative_files(tmp)))
+                    manifest = {"format": FORMAT_VERSION, "step": step, "ranks": dist.get_world_size(), "files": files}
+                    _write_text(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+                    _fsync_tree(tmp)
+                    self._install(tmp, final)
+            except BaseException:
+                if main:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            # Nobody goes on (and e.g. saves again, or resumes from it) before the checkpoint is published.
+            dist.barrier()
             if main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        # Nobody goes on (and e.g. saves again, or resumes from it) before the checkpoint is published.
-        dist.barrier()
-        if main:
-            self._write_pointer(final.name)
-            self._prune(step)
-            logger.info("checkpoint %s written", final)
+                self._write_pointer(final.name)
+                self._prune(step, held)
+                logger.info("checkpoint %s written", final)
         return final
+
+    def _room(self, final: Path, needed: int):
+        """Out of room while writing `final`: StorageFull naming the directory, the size, what is still intact."""
+        previous = [p for _, p in reversed(self.checkpoints()) if p != final and (p / MANIFEST).is_file()]
+        hint = (f"Nothing of it was kept; the newest complete checkpoint, {previous[0]}, is intact: make room, then "
+                "continue with --resume" if previous else
+                "Nothing of it was kept (there is no earlier checkpoint): make room, then start again")  # fmt: skip
+        return room_for(self.root, needed, f"checkpoint {final.name}", hint)
 
     def _install(self, tmp: Path, final: Path) -> None:
         """Rename the finished temporary directory to `final` (replacing a checkpoint of the same step)."""
@@ -195,7 +232,6 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        self._verified.pop(final.resolve(), None)
         _fsync_dir(self.root)
 
     def _write_pointer(self, name: str) -> None:
@@ -204,8 +240,12 @@ class CheckpointManager:
         os.replace(tmp, self.root / POINTER)
         _fsync_dir(self.root)
 
-    def _remove_stale_tmp(self) -> None:
-        """Leftovers of a save that was killed; only one process saves, so none of them is in progress."""
+    def _remove_stale_tmp(self, held: lock.OutputLock | None) -> None:
+        """Leftovers of a save that was killed. Only under the output directory's lock, which this process holds:
+        no other process saves here, so none of them is in progress."""
+        if held is None:
+            return
+        held.check()
         for path in self.root.glob(f"{TMP_PREFIX}*"):
             logger.info("removing %s, left by an interrupted save", path)
             if path.is_dir():
@@ -213,12 +253,16 @@ class CheckpointManager:
             else:
                 path.unlink(missing_ok=True)
 
-    def _prune(self, step: int) -> None:
-        """Keep the new checkpoint and the `keep - 1` newest complete ones before it; delete the rest.
+    def _prune(self, step: int, held: lock.OutputLock | None) -> None:
+        """Keep the new checkpoint and the `keep - 1` newest complete ones before it; delete the rest (only under
+        the output directory's lock, as `_remove_stale_tmp`).
 
         Checkpoints with a larger step were written before the run resumed from an earlier one: they belong to
         an abandoned continuation, and `latest()` would otherwise pick them, so they go too.
         """
+        if held is None:
+            return
+        held.check()
         older, doomed = [], []
         for other_step, path in self.checkpoints():
             if other_step > step:
@@ -234,12 +278,12 @@ class CheckpointManager:
             shutil.rmtree(trash, ignore_errors=True)
             os.replace(path, trash)
             shutil.rmtree(trash, ignore_errors=True)
-            self._verified.pop(path.resolve(), None)
 
     # ---- reading ---------------------------------------------------------------------------------------------
 
     def latest(self) -> Path | None:
         """The newest checkpoint that verifies (see `verify`); warns about and skips partial or corrupt ones.
+        A checkpoint of another format version raises CheckpointFormatError instead of being skipped.
 
         Under torchrun rank 0 verifies and tells the others (one rank hashes, not all).
         """
@@ -255,6 +299,8 @@ class CheckpointManager:
         for _, path in reversed(self.checkpoints()):
             try:
                 self.verify(path)
+            except CheckpointFormatError:
+                raise
             except CheckpointError as exc:
                 logger.warning("skipping checkpoint %s, falling back to the previous one: %s", path, exc)
                 continue
@@ -262,43 +308,16 @@ class CheckpointManager:
         return None
 
     def verify(self, path: str | os.PathLike) -> dict:
-        """Check every file against MANIFEST.json (size, then sha256); returns the manifest.
+        """Check the checkpoint against its MANIFEST.json, hashing every file; returns the manifest.
 
         Raises CheckpointError naming the checkpoint and the file: no manifest (the save did not finish), a
-        file missing, of the wrong size or with the wrong hash, or a required file absent from the manifest.
+        garbled one, a file missing, of the wrong size or with the wrong hash, a required file not listed, a
+        listed file that is no part of a checkpoint; CheckpointFormatError for another format version. Files on
+        disk that the manifest does not list are named in a warning (and never loaded).
         """
         path = Path(path)
-        manifest_path = path / MANIFEST
-        if not path.is_dir():
-            raise CheckpointError(f"{path}: not a checkpoint directory")
-        if not manifest_path.is_file():
-            raise CheckpointError(f"{path}: no {MANIFEST} (partial checkpoint: the save did not finish)")
-        try:
-            manifest = json.loads(manifest_path.read_text())
-            files = manifest["files"]
-            entries = {name: (int(e["size"]), str(e["sha256"])) for name, e in files.items()}
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{manifest_path}: unreadable manifest ({exc})") from None
-        missing = [name for name in REQUIRED_FILES if name not in entries and SHARDED_INSTEAD.get(name) not in entries]
-        if missing:
-            raise CheckpointError(f"{manifest_path}: does not list {', '.join(missing)}")
-        stats = {}
-        for name, (size, _) in entries.items():
-            file = path / name
-            if not file.is_file():
-                raise CheckpointError(f"{path}: {name} is missing")
-            stat = file.stat()
-            if stat.st_size != size:
-                raise CheckpointError(f"{file}: {stat.st_size} bytes, the manifest says {size} (truncated or changed)")
-            stats[name] = (stat.st_size, stat.st_mtime_ns)
-        key = path.resolve()
-        if self._verified.get(key) == stats:
-            return manifest
-        actual = _hash_files(path, list(entries))
-        for name, (_, digest) in entries.items():
-            if actual[name]["sha256"] != digest:
-                raise CheckpointError(f"{path / name}: sha256 differs from {MANIFEST} (corrupt file)")
-        self._verified[key] = stats
+        manifest, entries = _read_manifest(path)
+        _check_hashes(path, entries, list(entries))
         return manifest
 
     def load(
@@ -312,45 +331,47 @@ class CheckpointManager:
     ) -> dict:
         """Verify `path`, restore weights, optimizer, scheduler and RNG states; returns the trainer_state.
 
+        Every file this process deserialises is hashed in the same pass (the bytes read are the bytes checked),
+        and all of them before anything is restored: a damaged checkpoint leaves the model and optimizer as they
+        were. DCP's shard files, which DCP reads itself, are hashed just before (on rank 0 under torchrun).
         Either kind of checkpoint (one process, or sharded by any number of ranks) loads in either setting.
         """
         path = Path(path)
-        self._verify_once(path)
-        state = json.loads((path / "trainer_state.json").read_text())
+        _, entries = _read_manifest(path)
+        sharded = SHARDED_INSTEAD["optimizer.pt"] in entries
+        # A sharded checkpoint's drafter/ weights are its exported copy: the model state comes from the shards.
+        read = [n for n in entries if not n.startswith(f"{SHARDED}/") and not (sharded and _is_weights(n))]
+        self._verify_once(path, entries, [n for n in entries if n not in read])
+        blobs = _read_verified(path, entries, read)
+        state = _json(path, "trainer_state.json", blobs)
         model = _unwrap(drafter)
-        _check_drafter_config(path / "drafter", model)
-        if _distributed() or (path / SHARDED_INSTEAD["optimizer.pt"]).is_file():
-            _load_state_dicts(path, model, optimizer)
-            scheduler.load_state_dict(_torch_load(path / "scheduler.pt"))
-            restore_rng_state(_torch_load(path / "rng.pt"), generators, where=path / "rng.pt")
-            return state
-        weights = {}
-        for file in sorted((path / "drafter").glob("*.safetensors")):
-            weights.update(load_file(file))
-        try:
-            model.load_state_dict(weights, strict=True)
-        except RuntimeError as exc:
-            raise CheckpointError(f"{path / 'drafter'}: weights do not fit the drafter: {exc}") from None
-        try:
-            optimizer.load_state_dict(_torch_load(path / "optimizer.pt"))
-        except (ValueError, KeyError) as exc:
-            raise CheckpointError(f"{path / 'optimizer.pt'}: does not fit the optimizer: {exc}") from None
-        scheduler.load_state_dict(_torch_load(path / "scheduler.pt"))
-        restore_rng_state(_torch_load(path / "rng.pt"), generators, where=path / "rng.pt")
+        _check_drafter_config(_json(path, "drafter/config.json", blobs), model, path / "drafter" / "config.json")
+        if _distributed() or sharded:
+            _load_state_dicts(path, model, optimizer, blobs)
+        else:
+            try:
+                model.load_state_dict(_weights(path, blobs), strict=True)
+            except RuntimeError as exc:
+                raise CheckpointError(f"{path / 'drafter'}: weights do not fit the drafter: {exc}") from None
+            try:
+                optimizer.load_state_dict(_torch_load(path / "optimizer.pt", blobs["optimizer.pt"]))
+            except (ValueError, KeyError) as exc:
+                raise CheckpointError(f"{path / 'optimizer.pt'}: does not fit the optimizer: {exc}") from None
+        scheduler.load_state_dict(_torch_load(path / "scheduler.pt", blobs["scheduler.pt"]))
+        restore_rng_state(_torch_load(path / "rng.pt", blobs["rng.pt"]), generators, where=path / "rng.pt")
         return state
 
-
-    def _verify_once(self, path: Path) -> None:
-        """`verify` on rank 0 only under torchrun (the others take its verdict); on this process otherwise."""
+    def _verify_once(self, path: Path, entries: dict, names: list[str]) -> None:
+        """Hash `names` against the manifest: on rank 0 under torchrun (the others take its verdict), else here."""
         if not _distributed():
-            self.verify(path)
+            _check_hashes(path, entries, names)
             return
         import torch.distributed as dist
 
         error = None
         if dist.get_rank() == 0:
             try:
-                self.verify(path)
+                _check_hashes(path, entries, names)
             except CheckpointError as exc:
                 error = str(exc)
         box = [error]
@@ -365,14 +386,15 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _load_state_dicts(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _load_state_dicts(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, blobs: dict) -> None:
     """Model and optimizer state through torch.distributed.checkpoint's state-dict API, which re-shards: from a
-    sharded checkpoint (any number of ranks) or a one-process one (loaded whole), into a sharded or plain model."""
+    sharded checkpoint (any number of ranks) or a one-process one (loaded whole), into a sharded or plain model.
+    `blobs`: the verified bytes of the checkpoint's other files."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     sharded = path / SHARDED
-    if (sharded / ".metadata").is_file():
+    if "optimizer.pt" not in blobs:
         model_state, optim_state = get_state_dict(model, optimizer)
         try:
             dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=sharded)
@@ -380,10 +402,8 @@ def _load_state_dicts(path: Path, model: nn.Module, optimizer: torch.optim.Optim
             raise CheckpointError(f"{sharded}: does not fit the drafter and optimizer: {exc}") from None
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
         return
-    weights = {}
-    for file in sorted((path / "drafter").glob("*.safetensors")):
-        weights.update(load_file(file))
-    optim = _torch_load(path / "optimizer.pt")
+    weights = _weights(path, blobs)
+    optim = _torch_load(path / "optimizer.pt", blobs["optimizer.pt"])
     # optimizer.pt numbers the parameters in the order the optimizer was given them (the trainable ones, in
     # module order); the state-dict API names them by their module path.
     names = [name for name, p in model.named_parameters() if p.requires_grad]
@@ -474,9 +494,8 @@ def _unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
-def _check_drafter_config(directory: Path, model: nn.Module) -> None:
+def _check_drafter_config(saved: dict, model: nn.Module, where: Path) -> None:
     """Weights of the same shapes can still belong to another recipe (block size, mask token, target layers)."""
-    saved = json.loads((directory / "config.json").read_text())
     dflash = saved.get("dflash_config") or {}
     for name in ("block_size", "mask_token_id", "target_layer_ids"):
         if not hasattr(model, name):
@@ -484,7 +503,7 @@ def _check_drafter_config(directory: Path, model: nn.Module) -> None:
         value = dflash.get(name, saved.get(name))
         if value is not None and value != getattr(model, name):
             raise CheckpointError(
-                f"{directory / 'config.json'}: {name} = {value!r}, but the drafter being resumed has "
+                f"{where}: {name} = {value!r}, but the drafter being resumed has "
                 f"{getattr(model, name)!r}; resume with the configuration the checkpoint was trained with"
             )
 
@@ -506,9 +525,11 @@ def _torch_save(obj: Any, path: Path) -> None:
         torch.save(obj, f)
 
 
-def _torch_load(path: Path) -> Any:
+def _torch_load(path: Path, data: bytes | None = None) -> Any:
+    """torch.load(weights_only=True) of `data` (the verified bytes of `path`), else of the file `path`."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        source = io.BytesIO(data) if data is not None else path
+        return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"{path}: cannot be read with torch.load(weights_only=True): {exc}") from None
 
@@ -522,6 +543,117 @@ def _write_text(path: Path, text: str) -> None:
 
 def _relative_files(root: Path) -> list[str]:
     return [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
+
+
+def _is_weights(name: str) -> bool:
+    return name.startswith("drafter/") and name.endswith(".safetensors")
+
+
+def _read_manifest(path: Path) -> tuple[dict, dict[str, tuple[int, str]]]:
+    """(manifest, {name: (size, sha256)}) after every check short of hashing (see `CheckpointManager.verify`)."""
+    manifest_path = path / MANIFEST
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint directory")
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST} (partial checkpoint: the save did not finish)")
+    try:
+        manifest = json.loads(manifest_path.read_bytes().decode("utf-8"))
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both are
+        raise CheckpointError(f"{manifest_path}: garbled or truncated, not JSON ({exc})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{manifest_path}: garbled: not a manifest (no 'files' mapping)")
+    version = manifest.get("format")
+    if type(version) is not int:
+        raise CheckpointError(f"{manifest_path}: garbled: no format version (got {version!r})")
+    if version != FORMAT_VERSION:
+        raise CheckpointFormatError(f"{manifest_path}: checkpoint format {version}, but this flashdraft reads format "
+                                    f"{FORMAT_VERSION}: resume with the flashdraft version that wrote it, or start "
+                                    "this run in a new output directory")  # fmt: skip
+    entries = {name: _entry(manifest_path, name, entry) for name, entry in manifest["files"].items()}
+    missing = [name for name in REQUIRED_FILES if name not in entries and SHARDED_INSTEAD.get(name) not in entries]
+    if missing:
+        raise CheckpointError(f"{manifest_path}: does not list {', '.join(missing)}")
+    for name, (size, _) in entries.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{path}: {name} is missing")
+        actual = file.stat().st_size
+        if actual != size:
+            raise CheckpointError(f"{file}: {actual} bytes, the manifest says {size} (truncated or changed)")
+    extra = sorted(set(_relative_files(path)) - set(entries) - {MANIFEST})
+    if extra:
+        logger.warning("%s: %s not listed in %s: ignored, never loaded", path, ", ".join(extra), MANIFEST)
+    return manifest, entries
+
+
+def _entry(manifest_path: Path, name: Any, entry: Any) -> tuple[int, str]:
+    """(size, sha256) of one manifest entry, after checking that it names a known file inside the checkpoint."""
+    parts = PurePosixPath(name).parts if isinstance(name, str) else ()
+    if not parts or PurePosixPath(name).is_absolute() or ".." in parts or "\\" in name or name == MANIFEST:
+        raise CheckpointError(f"{manifest_path}: {name!r} is not the name of a file inside the checkpoint")
+    if name not in REQUIRED_FILES and not name.startswith(KNOWN_DIRS):
+        raise CheckpointError(f"{manifest_path}: lists {name}, which is no part of a format-{FORMAT_VERSION} "
+                              "checkpoint")  # fmt: skip
+    size = entry.get("size") if isinstance(entry, dict) else None
+    digest = entry.get("sha256") if isinstance(entry, dict) else None
+    if type(size) is not int or size < 0 or not isinstance(digest, str) or not _SHA256.match(digest):
+        raise CheckpointError(f"{manifest_path}: the entry of {name} is garbled (size {size!r}, sha256 {digest!r})")
+    return size, digest
+
+
+def _check_hashes(path: Path, entries: dict[str, tuple[int, str]], names: list[str]) -> None:
+    actual = _hash_files(path, names)
+    for name in names:
+        if actual[name]["sha256"] != entries[name][1]:
+            raise CheckpointError(f"{path / name}: sha256 differs from {MANIFEST} (corrupt file)")
+
+
+def _read_verified(path: Path, entries: dict[str, tuple[int, str]], names: list[str]) -> dict[str, bytes]:
+    """{name: bytes} of `names`, each checked against its size and sha256 as read (files in parallel)."""
+
+    def read(name: str) -> bytes:
+        data = (path / name).read_bytes()
+        size, digest = entries[name]
+        if len(data) != size:
+            raise CheckpointError(f"{path / name}: {len(data)} bytes, the manifest says {size} (truncated or changed)")
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise CheckpointError(f"{path / name}: sha256 differs from {MANIFEST} (corrupt file)")
+        return data
+
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(names)))) as pool:
+        return dict(zip(names, pool.map(read, names), strict=True))
+
+
+def _json(path: Path, name: str, blobs: dict[str, bytes]) -> dict:
+    try:
+        value = json.loads(blobs[name].decode("utf-8"))
+    except ValueError as exc:
+        raise CheckpointError(f"{path / name}: not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path / name}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _weights(path: Path, blobs: dict[str, bytes]) -> dict[str, torch.Tensor]:
+    """The drafter's tensors from the *.safetensors files the manifest lists (never from a glob)."""
+    weights = {}
+    for name in sorted(n for n in blobs if _is_weights(n)):
+        try:
+            weights.update(load_safetensors(blobs[name]))
+        except SafetensorError as exc:
+            raise CheckpointError(f"{path / name}: not a readable safetensors file ({exc})") from None
+    if not weights:
+        raise CheckpointError(f"{path / MANIFEST}: lists no drafter/*.safetensors weights")
+    return weights
+
+
+def _estimate_bytes(drafter: nn.Module, optimizer: torch.optim.Optimizer, weights_twice: bool = False) -> int:
+    """About the size of a checkpoint: the weights (in their dtype) and the optimizer's tensors, plus a margin.
+    Sharded (DTensor) tensors count their global size."""
+    weights = sum(t.numel() * t.element_size() for t in _unwrap(drafter).state_dict().values())
+    moments = sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
+                  if isinstance(v, torch.Tensor))  # fmt: skip
+    return weights * (2 if weights_twice else 1) + moments + _OVERHEAD
 
 
 def _sha256(path: Path) -> str:

@@ -34,10 +34,13 @@ def run(args) -> int:
     import logging
 
     from flashdraft import embedded
-    from flashdraft.train import distributed
+    from flashdraft.io import lock
 
-    if args.nproc is not None and not distributed.launched():
-        return distributed.launch(args.nproc, relaunch_argv(args, "train"))
+    if args.nproc is not None:
+        from flashdraft.train import distributed
+
+        if not distributed.launched():
+            return distributed.launch(args.nproc, relaunch_argv(args, "train"))
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     given_out = [o.partition("=")[2] for o in args.overrides if o.partition("=")[0].strip() == "log.out"]
@@ -46,10 +49,20 @@ def run(args) -> int:
     overrides = list(args.overrides) + ([f"log.out={args.out}"] if args.out else [])
     # No --config: the embedded default (a CPU-sized run), not the paper-scale defaults of the dataclasses.
     cfg = load_config(args.config or embedded.ASSETS / "train.yaml", overrides)
+    # One writer per output directory, taken before torch loads: a second run on it stops within a second.
+    with lock.hold(cfg.log.out, "train"):
+        return _run(args, cfg, console)
+
+
+def _run(args, cfg, console) -> int:
+    from rich.console import Console
+
+    from flashdraft.train import distributed
+
     preflight(cfg, resume=args.resume)
     from flashdraft.train.loop import train
 
-    with distributed.session(cfg.train.device, "train") as world:
+    with distributed.session(cfg.train.device, "train", output=cfg.log.out) as world:
         if not world.is_main:
             console = Console(quiet=True)
         result = train(cfg, resume=args.resume, console=console)

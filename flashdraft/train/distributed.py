@@ -15,6 +15,9 @@ Without torchrun (no WORLD_SIZE in the environment) nothing here does anything: 
 - Every rank holds the frozen target (replicated; `target.shard=true` shards its decoder layers with FSDP2) and
   the drafter under FSDP2 (`parallelize_drafter` says why not DDP).
 - NCCL on GPUs, gloo on CPUs. Only rank 0 prints and logs (other ranks: errors only).
+- One writer per output directory (flashdraft.io.lock): rank 0 holds the lock of OUT, taken before the process
+  group exists; `session(..., output=OUT)` has every rank check that the lock it sees is rank 0's, so a node that
+  does not share OUT, or a second job on it, stops before anything is written.
 - An exception on any rank is written to the job's TCP store; every other rank polls it and exits at once, rank 0
   printing the failing rank's message (`_ErrorWatch`). torchrun's own fail-fast does the same on one node; the
   store also reaches ranks on other nodes that sit in an NCCL collective, which would otherwise wait for the NCCL
@@ -26,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sys
 import threading
 import warnings
@@ -76,11 +80,12 @@ _session: _Session | None = None
 
 
 @contextlib.contextmanager
-def session(device: str = "auto", command: str = "train") -> Iterator[World]:
+def session(device: str = "auto", command: str = "train", output: str | os.PathLike | None = None) -> Iterator[World]:
     """The job's process group around a command: set up under torchrun, torn down after; a no-op otherwise.
 
     `device` is train.device (auto | cpu | cuda): NCCL when it resolves to a GPU, else gloo. Inside, non-zero ranks
-    are quiet, and an exception on any rank stops every rank (the module docstring).
+    are quiet, and an exception on any rank stops every rank (the module docstring). `output`: the directory whose
+    lock rank 0 holds (flashdraft.io.lock.hold); every rank checks it before the body runs.
     """
     global _session
     if not launched() or _session is not None:
@@ -102,6 +107,8 @@ def session(device: str = "auto", command: str = "train") -> Iterator[World]:
     _session = _Session(here, command)
     ok = False
     try:
+        if output is not None:
+            check_output_lock(output)
         yield here
         ok = True
     except BaseException as exc:
@@ -195,6 +202,14 @@ class _ErrorWatch:
                       file=sys.stderr, flush=True)  # fmt: skip
             sys.stdout.flush()
             os._exit(EXIT_PEER_FAILED)
+
+
+def check_output_lock(directory: str | os.PathLike) -> None:
+    """Every rank: the lock file of `directory` that this rank sees is the one rank 0 holds (collective)."""
+    from flashdraft.io import lock
+
+    token = broadcast(lock.held_token(directory) if world().is_main else None)
+    lock.check_token(directory, token, f"rank {world().rank} (host {socket.gethostname()})")
 
 
 @contextlib.contextmanager

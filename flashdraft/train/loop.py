@@ -359,7 +359,7 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
     if offline:
         from flashdraft.features import FeatureStore
 
-        features = FeatureStore(cfg.data.features, device=device)
+        features = FeatureStore(cfg.data.features, device=device, s3=cfg.s3)
         target = features.head_target(layer_ids)
     elif cfg.target.path == embedded.EMBEDDED:
         model = embedded.build_target(dtype=dtype, device=load_on)
@@ -382,7 +382,8 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
         prepared = prepare_shards(
             PrepareConfig(data=sources, tokenizer=tokenizer_path, out=cfg.data.shards or str(out / "shards"),
                           format=FormatConfig(format=cfg.data.format, drop_thinking=cfg.data.drop_thinking),
-                          max_length=cfg.data.max_length, overlong=cfg.data.overlong, skip_bad=cfg.data.skip_bad),
+                          max_length=cfg.data.max_length, overlong=cfg.data.overlong, skip_bad=cfg.data.skip_bad,
+                          s3=cfg.s3),
             tokenizer=tokenizer, console=console,
         )  # fmt: skip
     data = TokenizedDataset(prepared.path)

@@ -9,6 +9,7 @@ import pytest
 
 from flashdraft.data import DataError, Encoder, FormatConfig, PrepareConfig, TokenizedDataset, prepare_shards
 from flashdraft.data.shards import INPUT_IDS, ShardWriter
+from flashdraft.io.space import StorageFull
 
 LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 4)
 
@@ -187,7 +188,7 @@ def test_interrupted_write_leaves_no_partial_output(tmp_path, tokenizer, write_j
         real_add(self, sample)
 
     monkeypatch.setattr(ShardWriter, "add", failing_add)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(StorageFull, match=f"cannot write the shards {out} .*no space left.*Nothing was kept"):
         prepare_shards(cfg, tokenizer=tokenizer)
     assert not out.exists() and leftovers(tmp_path) == []
 
@@ -195,7 +196,7 @@ def test_interrupted_write_leaves_no_partial_output(tmp_path, tokenizer, write_j
     prepare_shards(cfg, tokenizer=tokenizer)
     monkeypatch.setattr(ShardWriter, "add", failing_add)
     calls.clear()
-    with pytest.raises(OSError):
+    with pytest.raises(StorageFull, match="The shards already there are unchanged"):
         cfg = PrepareConfig(data=[src], tokenizer="-", out=str(out), progress=False, force=True, max_length=50)
         prepare_shards(cfg, tokenizer=tokenizer)
     assert len(TokenizedDataset(out)) == 10 and leftovers(tmp_path) == []  # the old shards are intact

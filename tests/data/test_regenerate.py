@@ -71,8 +71,10 @@ def test_resume_skips_done_records_and_drops_a_torn_line(tmp_path, target_and_to
     "row, message",
     [
         ({"messages": [{"role": "assistant", "content": "hi"}]}, "no user turn"),
-        ({"messages": []}, "non-empty list"),
-        ({"messages": [{"role": "robot", "content": "x"}]}, "role system/user/assistant"),
+        ({"messages": []}, "field 'messages': empty conversation"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "field 'messages\\[0\\].role': unknown role 'robot'"),
+        ({"conversations": [{"from": "human", "value": 3}]}, "field 'conversations\\[0\\].value': expected a string"),
+        ({"prompt": ["not", "text"]}, "field 'prompt': expected a string, got list"),
         ({"text": "no prompt"}, "no prompt to continue"),
         ({"other": 1}, "expected 'messages'"),
     ],

@@ -1,13 +1,20 @@
-"""S3 through the real s3fs/aiobotocore stack against moto in server mode on 127.0.0.1 (nothing mocked in-process)."""
+"""S3 through the real s3fs/aiobotocore stack against moto in server mode on 127.0.0.1 (nothing mocked in-process);
+failing fast against a local server that accepts connections and never answers, and a port that refuses them."""
 
+import contextlib
 import gzip
 import io
 import json
+import socket
+import threading
+import time
 
 import pytest
 
+from flashdraft.config import S3Config
 from flashdraft.data import DataError, DataReport, PrepareConfig, TokenizedDataset, iter_records, prepare_shards
 from flashdraft.data import resolve_sources as resolve
+from flashdraft.data.sources import read_again_if_cut_off
 
 from .conftest import FAKE_KEY_ID, FAKE_SECRET
 
@@ -117,3 +124,115 @@ def test_no_credentials(moto_server, no_aws, monkeypatch, tmp_path, tokenizer_di
     with pytest.raises(DataError, match="no S3 credentials found") as e:
         resolve([spec], endpoint_url=moto_server)
     assert FAKE_KEY_ID not in str(e.value)
+
+
+# ---- storage that fails fast ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def silent_endpoint():
+    """A TCP server on 127.0.0.1 that accepts every connection and never answers; yields (URL, accepted sockets)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.1)
+    accepted, stop = [], threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                accepted.append(server.accept()[0])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}", accepted
+    stop.set()
+    thread.join()
+    for conn in accepted:
+        conn.close()
+    server.close()
+
+
+@pytest.fixture
+def fake_credentials(no_aws, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", FAKE_KEY_ID)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
+
+
+@pytest.mark.slow
+def test_a_silent_endpoint_fails_within_30_s_naming_the_url_and_the_setting(silent_endpoint, fake_credentials,
+                                                                             tokenizer_dir, tmp_path, capsys):  # fmt: skip
+    from flashdraft import cli
+
+    url, accepted = silent_endpoint
+    spec = "s3://bucket/data/part-0.jsonl"
+    started = time.monotonic()
+    code = cli.main(["prepare", "--data", spec, "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "o"),
+                     "--endpoint-url", url, "--no-progress"])  # fmt: skip
+    took = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 2 and took <= 30, (code, took, err)
+    assert f"{spec}: no answer from the S3 endpoint {url} within s3.read_timeout = 8 s (3 attempts" in err
+    assert "raise s3.read_timeout (flashdraft prepare: --s3-read-timeout)" in err and "Traceback" not in err
+    assert len(accepted) == 3  # botocore's attempts, not multiplied by s3fs's own retries
+
+
+def test_the_timeouts_and_attempts_reach_botocore(silent_endpoint, fake_credentials):
+    url, accepted = silent_endpoint
+    started = time.monotonic()
+    with pytest.raises(DataError, match=r"no answer from .* within s3.read_timeout = 1 s \(2 attempts"):
+        resolve(["s3://bucket/x.jsonl"], endpoint_url=url, s3=S3Config(read_timeout=1, attempts=2))
+    assert time.monotonic() - started < 8 and len(accepted) == 2
+
+
+def test_an_endpoint_that_refuses_connections_is_named(fake_credentials):
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        url = f"http://127.0.0.1:{server.getsockname()[1]}"
+    started = time.monotonic()
+    with pytest.raises(DataError, match=rf"s3://bucket/x.jsonl: cannot connect to the S3 endpoint {url} .*2 attempts"
+                       ".*raise s3.connect_timeout") as info:  # fmt: skip
+        resolve(["s3://bucket/x.jsonl"], endpoint_url=url, s3=S3Config(attempts=2))
+    assert not info.value.skippable and time.monotonic() - started < 10
+
+
+def test_moto_reads_with_the_configured_client(bucket):
+    name, endpoint = bucket
+    s3 = S3Config(connect_timeout=2, read_timeout=3, attempts=4)
+    files = resolve([f"s3://{name}/chat/", f"s3://{name}/pq/"], endpoint_url=endpoint, s3=s3)
+    assert [r.data for r in iter_records(files)] == CHATS
+    fs = files[0].fs
+    config = fs.s3.meta.config
+    assert (config.connect_timeout, config.read_timeout) == (2, 3)
+    assert config.retries == {"total_max_attempts": 4, "mode": "standard"} and fs.retries == 1
+
+
+class ClientPayloadError(Exception):
+    """Named as aiohttp's: a response body cut off mid-transfer."""
+
+
+def test_a_transfer_cut_off_is_read_again_and_nothing_else_is():
+    calls = []
+
+    def cut_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise ClientPayloadError("Response payload is not completed")
+        return b"data"
+
+    assert read_again_if_cut_off(cut_once, 3, "s3://b/k") == b"data" and len(calls) == 2
+    calls.clear()
+
+    def always_cut():
+        calls.append(1)
+        raise ClientPayloadError("cut")
+
+    with pytest.raises(ClientPayloadError):
+        read_again_if_cut_off(always_cut, 3, "s3://b/k")
+    assert len(calls) == 3
+    calls.clear()
+
+    def broken():
+        calls.append(1)
+        raise ValueError("not a transfer problem")
+
+    with pytest.raises(ValueError):
+        read_again_if_cut_off(broken, 3, "s3://b/k")
+    assert len(calls) == 1

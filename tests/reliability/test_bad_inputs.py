@@ -1,5 +1,7 @@
 """Bad inputs through the real CLI: each gives exit code 2 and a message naming the file, line or field (or, where
-a bad record may be skipped, exit 0 with the skip counted and reported) — never a traceback, except with --debug.
+a bad record may be skipped, exit 0 with the skip counted and reported; or exit 4 when the output directory is held
+by another run) — never a traceback, except with --debug. Every input path goes through the same checks: training
+data, eval prompts, regeneration input, an offline features index (`PROMPTS`, `REGENERATE`, `FEATURES`).
 
 Most cases call `flashdraft.cli.main` in-process (capsys); a representative subset runs `python -m flashdraft` in a
 subprocess (`SUBPROCESS`), since the exit code and the absence of a traceback are what users see. The corpus is
@@ -17,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +30,7 @@ import pytest
 import torch
 
 from flashdraft import cli, embedded
+from flashdraft.io import lock
 
 WIDTH = 250  # console columns: summary tables and messages are not wrapped, so fragments match
 GOOD_CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
@@ -174,6 +178,54 @@ MODELS = [
          "drafter directory {d}/no-drafter does not exist"),
 ]
 
+PROMPTS = [
+    case("prompts-unknown-role", EVAL + " --target {target} --drafter {drafter} --prompts {prompts_wizard}", 2,
+         "{prompts_wizard}:1: field 'messages[0].role': unknown role 'wizard'"),
+    case("prompts-not-utf8", EVAL + " --target {target} --drafter {drafter} --prompts {prompts_binary}", 2,
+         "{prompts_binary}:1: not valid UTF-8 (byte 0"),
+    case("prompts-malformed-json", EVAL + " --target {target} --drafter {drafter} --prompts {prompts_malformed}", 2,
+         "{prompts_malformed}:2: malformed JSON"),
+    case("prompts-content-not-text", EVAL + " --target {target} --drafter {drafter} --prompts {prompts_content}", 2,
+         "{prompts_content}:1: field 'messages[0].content': expected a string, got int"),
+    case("prompts-missing-role", EVAL + " --target {target} --drafter {drafter} --prompts {prompts_no_role}", 2,
+         "{prompts_no_role}:1: field 'messages[0].role': missing"),
+    case("prompts-not-an-object", EVAL + " --target {target} --drafter {drafter} --prompts {prompts_list}", 2,
+         "{prompts_list}:1: expected a JSON object, got list"),
+    case("prompts-empty-file", EVAL + " --target {target} --drafter {drafter} --prompts {prompts_empty}", 2,
+         "{prompts_empty}: no prompts"),
+]
+
+REGEN = "regenerate --no-progress --device cpu --max-new-tokens 2 --target {target} --out {out}/regen.jsonl"
+REGENERATE = [
+    case("regenerate-unknown-role", REGEN + " --data {unknown_role}", 2,
+         "{unknown_role}:2: field 'messages[0].role': unknown role 'wizard'"),
+    case("regenerate-not-utf8", REGEN + " --data {not_utf8}", 2, "{not_utf8}:2: not valid UTF-8 (byte 13"),
+    case("regenerate-content-not-text", REGEN + " --data {wrong_type}", 2,
+         "{wrong_type}:1: field 'messages[0].content': expected a string, got int"),
+    case("regenerate-text-without-prompt", REGEN + " --data {text_only}", 2,
+         "{text_only}:1: field 'text': a 'text' record has no prompt to continue"),
+]
+
+FEATURES = [
+    case("features-index-not-json", "train --out {out} data.features={feat_garbled}", 2,
+         "{feat_garbled}/features.json: not valid JSON"),
+    case("features-index-missing-field", "train --out {out} data.features={feat_no_samples}", 2,
+         "{feat_no_samples}/features.json: field 'samples': missing"),
+    case("features-index-wrong-type", "train --out {out} data.features={feat_bad_width}", 2,
+         "{feat_bad_width}/features.json: field 'hidden_size': expected a positive integer, got 'wide'"),
+]
+
+STORAGE = [
+    case("config-s3-attempts-zero", "train --out {out} s3.attempts=0", 2,
+         "override s3.attempts=0: s3.attempts = 0: must be >= 1"),
+    case("cli-prepare-s3-timeout-zero", "prepare --data {malformed} --s3-read-timeout 0 " + D, 2,
+         "--s3-read-timeout 0: must be > 0"),
+    case("checkpoint-other-format", "train --resume --out {ckpt_future} data.eval_prompts=null", 2,
+         "MANIFEST.json: checkpoint format 2, but this flashdraft reads format 1"),
+    case("output-held-by-another-run", "train --out {busy}", 4,
+         "{busy} is in use by another run: flashdraft train, pid"),
+]
+
 CLI = [
     case("cli-unknown-subcommand", "trian", 2, "invalid choice: 'trian'"),
     case("cli-missing-required-args", "prepare --data {malformed}", 2, "required: --tokenizer, --out"),
@@ -192,15 +244,15 @@ CLI = [
 ]
 # fmt: on
 
-CASES = DATA + CONFIGS + MODELS + CLI
+CASES = DATA + CONFIGS + MODELS + CLI + PROMPTS + REGENERATE + FEATURES + STORAGE
 # Run as users run them: `python -m flashdraft ...` in a subprocess (a few seconds of start-up each).
 SUBPROCESS = {"data-malformed-json", "data-chat-without-chat-template", "config-missing-file", "config-wrong-type",
               "model-eval-hidden-size-mismatch", "model-drafter-pickle-refused", "cli-unknown-subcommand",
-              "cli-resume-without-checkpoint"}  # fmt: skip
+              "cli-resume-without-checkpoint", "prompts-not-utf8", "output-held-by-another-run"}  # fmt: skip
 
 
 def test_the_corpus_is_large_and_ids_are_unique():
-    assert len(CASES) >= 30 and len({c.id for c in CASES}) == len(CASES)
+    assert len(CASES) >= 86 and len({c.id for c in CASES}) == len(CASES)
     assert SUBPROCESS <= {c.id for c in CASES}
 
 
@@ -241,6 +293,37 @@ def corpus(tmp_path_factory) -> dict[str, str]:
     data("mixed", good + "{bad\n" + line(chat(("user", "x"))) + line({"text": "plain text counts"}))
     data("prompts", line({"prompt": "def add(a, b):"}))
     data("prompts_chat", line({"messages": [{"role": "user", "content": "hi"}]}))
+    data("prompts_wizard", line({"messages": [{"role": "wizard", "content": "hi"}]}))
+    data("prompts_binary", b'\xff\xfe{"prompt": "hi"}\n')
+    data("prompts_malformed", line({"prompt": "hi"}) + '{"prompt": \n')
+    data("prompts_content", line({"messages": [{"role": "user", "content": 5}]}))
+    data("prompts_no_role", line({"messages": [{"content": "hi"}]}))
+    data("prompts_list", "[1]\n")
+    data("prompts_empty", "\n\n")
+    data("text_only", line({"text": "plain text, nothing to answer"}))
+    for name, index in [("feat_garbled", '{"format": "flashdraft-features/1", "target'),
+                        ("feat_no_samples", json.dumps({"format": "flashdraft-features/1", "target": "t",
+                                                        "target_layer_ids": [1], "hidden_size": 64,
+                                                        "dtype": "float32", "data_hash": "h", "num_samples": 0,
+                                                        "files": []})),
+                        ("feat_bad_width", json.dumps({"format": "flashdraft-features/1", "target": "t",
+                                                       "target_layer_ids": [1], "hidden_size": "wide",
+                                                       "dtype": "float32", "data_hash": "h", "num_samples": 0,
+                                                       "files": [], "samples": []}))]:  # fmt: skip
+        (root / name).mkdir()
+        (root / name / "features.json").write_text(index)
+        paths[name] = str(root / name)
+    future = root / "ckpt_future" / "checkpoints" / "step_00000001"
+    future.mkdir(parents=True)
+    (future / "MANIFEST.json").write_text(json.dumps({"format": 2, "step": 1, "files": {}}))
+    paths["ckpt_future"] = str(root / "ckpt_future")
+    # Held by a live run on this host: this test process, under a token it does not hold itself.
+    busy = root / "busy"
+    busy.mkdir()
+    (busy / lock.LOCK_NAME).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                   "command": "train", "started": 0, "token": "someone-else",
+                                                   "proc_start": lock._proc_start(os.getpid())}))  # fmt: skip
+    paths["busy"] = str(busy)
     (root / "bad.json").write_text("{not json")
     paths["bad_json"] = str(root / "bad.json")
 

@@ -169,14 +169,14 @@ def test_s3_without_credentials_fails_fast_without_network(set_env, tmp_path, ca
 
 def test_s3_unreachable_endpoint_in_a_subprocess(tmp_path):
     """As a user runs it: fake credentials, an endpoint on a closed loopback port; a bounded, clear failure."""
-    spec = "s3://bucket/data/part-0.jsonl"
+    spec, endpoint = "s3://bucket/data/part-0.jsonl", f"http://127.0.0.1:{closed_port()}"
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "flashdraft", "prepare", "--data", spec, "--endpoint-url",
-                           f"http://127.0.0.1:{closed_port()}", "--tokenizer", TOKENIZER, "--out",
-                           str(tmp_path / "o"), "--no-progress"], capture_output=True, text=True, timeout=300,
-                          env=aws_env(tmp_path))  # fmt: skip
+                           endpoint, "--tokenizer", TOKENIZER, "--out", str(tmp_path / "o"), "--no-progress"],
+                          capture_output=True, text=True, timeout=300, env=aws_env(tmp_path))  # fmt: skip
     assert proc.returncode == 2, proc.stderr
-    assert f"{spec}: cannot read" in proc.stderr and "Could not connect to the endpoint" in proc.stderr
+    assert f"{spec}: cannot connect to the S3 endpoint {endpoint} (EndpointConnectionError" in proc.stderr
+    assert "raise s3.connect_timeout" in proc.stderr
     assert "Traceback" not in proc.stderr and leaked(proc.stdout + proc.stderr) == []
     assert time.perf_counter() - started < 120
 

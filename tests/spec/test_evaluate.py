@@ -152,9 +152,9 @@ def test_eval_with_the_engine_reports_the_implied_ceiling(models, tmp_path, caps
 @pytest.mark.parametrize(
     "line,message",
     [
-        ("{not json", "not valid JSON"),
+        ("{not json", "malformed JSON"),
         ('{"text": "hi"}', "expected a 'messages' or a 'prompt' field"),
-        ('{"messages": "hi"}', "'messages' must be a non-empty list"),
+        ('{"messages": "hi"}', "field 'messages': expected a list of messages"),
         ('{"prompt": 3}', "'prompt' must be a string"),
         ('{"prompt": "the cat", "category": 5}', "'category' must be a non-empty string"),
         ("[1, 2]", "expected a JSON object"),

@@ -1,11 +1,16 @@
 """CheckpointManager: exact round trip (weights, optimizer, scheduler, RNG, trainer state), keep-N pruning,
-partial / corrupt checkpoints skipped with a warning, atomicity when a save dies half-way."""
+partial / corrupt checkpoints skipped with a warning, a manifest checked field by field and its format version
+enforced, files it does not list never loaded, the bytes loaded are the bytes hashed, atomicity when a save dies
+half-way, and saving only under the output directory's lock."""
 
 import copy
+import errno
 import json
 import logging
+import os
 import random
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -13,9 +18,12 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from flashdraft.drafter import DFlashDraftModel
+from flashdraft.io import lock
+from flashdraft.io.lock import OutputBusy, OutputLockLost
+from flashdraft.io.space import StorageFull
 from flashdraft.tiny_configs import tiny_config
 from flashdraft.train import checkpoint
-from flashdraft.train.checkpoint import CheckpointError, CheckpointManager
+from flashdraft.train.checkpoint import CheckpointError, CheckpointFormatError, CheckpointManager
 
 LOGGER = "flashdraft.train.checkpoint"
 
@@ -212,7 +220,60 @@ def remove_file(path):
     return "rng.pt is missing"
 
 
-@pytest.mark.parametrize("damage", [flip_byte, drop_manifest, truncate, remove_file])
+def edit_manifest(path, edit):
+    manifest = json.loads((path / "MANIFEST.json").read_text())
+    edit(manifest)
+    (path / "MANIFEST.json").write_text(json.dumps(manifest))
+
+
+def garble_manifest(path):
+    (path / "MANIFEST.json").write_bytes(b"\x00\xff not json at all")
+    return "MANIFEST.json: garbled or truncated, not JSON"
+
+
+def truncate_manifest(path):
+    text = (path / "MANIFEST.json").read_bytes()
+    (path / "MANIFEST.json").write_bytes(text[: len(text) // 2])
+    return "MANIFEST.json: garbled or truncated, not JSON"
+
+
+def manifest_without_files(path):
+    (path / "MANIFEST.json").write_text('{"format": 1}')
+    return "MANIFEST.json: garbled: not a manifest"
+
+
+def manifest_without_format(path):
+    edit_manifest(path, lambda m: m.pop("format"))
+    return "MANIFEST.json: garbled: no format version"
+
+
+def manifest_entry_garbled(path):
+    edit_manifest(path, lambda m: m["files"]["optimizer.pt"].update(sha256="not-a-digest"))
+    return "the entry of optimizer.pt is garbled"
+
+
+def manifest_lists_an_unknown_file(path):
+    (path / "notes.bin").write_bytes(b"?")
+    edit_manifest(path, lambda m: m["files"].update({"notes.bin": {"size": 1, "sha256": "0" * 64}}))
+    return "lists notes.bin, which is no part of a format-1 checkpoint"
+
+
+def manifest_points_outside(path):
+    edit_manifest(path, lambda m: m["files"].update({"../step_00000001/rng.pt": {"size": 1, "sha256": "0" * 64}}))
+    return "'../step_00000001/rng.pt' is not the name of a file inside the checkpoint"
+
+
+def manifest_misses_a_required_file(path):
+    edit_manifest(path, lambda m: m["files"].pop("scheduler.pt"))
+    return "does not list scheduler.pt"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [flip_byte, drop_manifest, truncate, remove_file, garble_manifest, truncate_manifest, manifest_without_files,
+     manifest_without_format, manifest_entry_garbled, manifest_lists_an_unknown_file, manifest_points_outside,
+     manifest_misses_a_required_file],
+)  # fmt: skip
 def test_corrupt_newest_falls_back_with_a_warning(tmp_path, caplog, damage):
     run = trained()
     manager = CheckpointManager(tmp_path, keep=3)
@@ -286,3 +347,132 @@ def test_crash_after_the_rename_keeps_the_complete_new_checkpoint(tmp_path, monk
         manager.save(2, *run, {})
     assert manager.latest().name == "step_00000002"
     assert manager.load(manager.latest(), *make_run()) == {"step": 2}
+
+
+# ---- verified, not trusted --------------------------------------------------------------------------------------
+
+
+def test_another_format_version_stops_the_resume_instead_of_being_skipped(tmp_path):
+    run = make_run()
+    manager = CheckpointManager(tmp_path, keep=3)
+    manager.save(1, *run, {})
+    newer = manager.save(2, *run, {})
+    edit_manifest(newer, lambda m: m.update(format=checkpoint.FORMAT_VERSION + 1))
+    message = f"{newer / 'MANIFEST.json'}: checkpoint format 2, but this flashdraft reads format 1"
+    # Falling back to step 1 would resume from it and then prune step 2 as an abandoned continuation.
+    with pytest.raises(CheckpointFormatError, match=message):
+        manager.latest()
+    with pytest.raises(CheckpointFormatError, match=message):
+        manager.load(newer, *make_run())
+    assert saved_steps(manager) == [1, 2]
+
+
+def change_in_place(file, offset=-3):
+    """Flip a byte of `file`, keeping its size and modification time (a bit rot or a careless tool)."""
+    stat = file.stat()
+    data = bytearray(file.read_bytes())
+    data[offset] ^= 0x40
+    file.write_bytes(bytes(data))
+    os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert file.stat().st_size == stat.st_size and file.stat().st_mtime_ns == stat.st_mtime_ns
+
+
+@pytest.mark.parametrize("name", ["drafter/model.safetensors", "optimizer.pt", "trainer_state.json"])
+def test_a_file_changed_after_verification_with_the_same_size_and_mtime_is_not_loaded(tmp_path, name):
+    run = trained()
+    manager = CheckpointManager(tmp_path)
+    path = manager.save(2, *run, {"note": "abc"})
+    assert manager.latest() == path  # verified once...
+    change_in_place(path / name)  # ...then changed, size and mtime kept
+    fresh = make_run(seed=1)
+    before = {k: v.clone() for k, v in fresh[0].state_dict().items()}
+    with pytest.raises(CheckpointError, match=f"{path / name}: sha256 differs from MANIFEST.json"):
+        manager.load(path, *fresh)
+    # Nothing was restored: the bytes are all checked before any of them is used.
+    assert_same(fresh[0].state_dict(), before, "weights untouched")
+    assert fresh[1].state_dict()["state"] == {}
+
+
+def test_files_the_manifest_does_not_list_are_named_and_never_loaded(tmp_path, caplog):
+    from safetensors.torch import save_file
+
+    drafter, optimizer, scheduler = trained()
+    manager = CheckpointManager(tmp_path)
+    path = manager.save(2, drafter, optimizer, scheduler, {})
+    saved = {k: v.clone() for k, v in drafter.state_dict().items()}
+    # Weights that a glob over drafter/*.safetensors would load last and let win.
+    save_file({k: torch.zeros_like(v) for k, v in saved.items()}, path / "drafter" / "zz-extra.safetensors")
+    (path / "stray.txt").write_text("left by a tool")
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert manager.latest() == path
+        fresh = make_run(seed=1)
+        manager.load(path, *fresh)
+    assert f"{path}: drafter/zz-extra.safetensors, stray.txt not listed in MANIFEST.json: ignored" in caplog.text
+    assert_same(fresh[0].state_dict(), saved, "weights")
+
+
+# ---- one writer ---------------------------------------------------------------------------------------------------
+
+
+def test_saving_needs_the_output_directory_and_cleans_up_only_under_its_lock(tmp_path):
+    run = make_run()
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, *run, {})
+    in_progress = manager.root / ".tmp-step_00000002-other"  # another run's save, under way
+    in_progress.mkdir()
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        lock_file = lock.lock_path(tmp_path)
+        lock_file.write_text(json.dumps({"pid": holder.pid, "host": os.uname().nodename, "command": "train",
+                                         "started": 0, "token": "other", "proc_start": lock._proc_start(holder.pid)}))  # fmt: skip
+        with pytest.raises(
+            OutputBusy, match=f"{tmp_path} is in use by another run: flashdraft train, pid {holder.pid}"
+        ):
+            manager.save(2, *run, {})
+    finally:
+        holder.kill()
+        holder.wait()
+    assert in_progress.is_dir() and saved_steps(manager) == [1]
+    manager.save(2, *run, {})  # the holder is gone: taken over, and its leftovers cleaned
+    assert not in_progress.exists() and saved_steps(manager) == [1, 2] and not lock.lock_path(tmp_path).exists()
+
+
+def test_a_lock_taken_over_meanwhile_stops_the_save_before_it_deletes_anything(tmp_path):
+    run = make_run()
+    manager = CheckpointManager(tmp_path, keep=1)
+    with lock.hold(tmp_path, "train"):
+        manager.save(1, *run, {})
+        lock.lock_path(tmp_path).write_text(json.dumps({"pid": 4242, "host": "node-17", "command": "train",
+                                                        "started": 0, "token": "theirs"}))  # fmt: skip
+        with pytest.raises(OutputLockLost, match="now names flashdraft train, pid 4242 on host node-17"):
+            manager.save(2, *run, {})
+    assert saved_steps(manager) == [1]
+
+
+# ---- out of room -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EFBIG])
+def test_a_save_out_of_room_names_the_size_and_the_intact_checkpoint(tmp_path, monkeypatch, code):
+    run = trained()
+    manager = CheckpointManager(tmp_path)
+    good = manager.save(1, *run, {})
+    real_save = checkpoint._torch_save
+
+    def full(obj, path):
+        if path.name == "optimizer.pt":
+            with open(path, "wb") as f:
+                torch.save(obj, f)
+            raise OSError(code, os.strerror(code))
+        real_save(obj, path)
+
+    monkeypatch.setattr(checkpoint, "_torch_save", full)
+    with pytest.raises(StorageFull) as info:
+        manager.save(2, *run, {})
+    size = sum(f.stat().st_size for f in good.rglob("*") if f.is_file())
+    message = str(info.value)
+    assert message.startswith(f"cannot write checkpoint step_00000002 at {manager.root}: ")
+    needed = float(message.split("it needs about ")[1].split(" MiB")[0])
+    assert abs(needed * 2**20 - size) < 0.1 * size + 2**20  # the estimate is about the real size
+    assert f"the newest complete checkpoint, {good}, is intact" in message and info.value.errno == code
+    assert sorted(p.name for p in manager.root.iterdir()) == ["latest", "step_00000001"]
