@@ -77,9 +77,9 @@ def attend(
     """Scaled dot-product attention, (B, H, Q, d) x (B, Hkv, K, d) → (B, H, Q, d); `mask` True = attend.
 
     The one place the drafter calls an attention kernel. A FlexAttention `BlockMask` (training on the GPU,
-    `recipe.flex_block_mask`) runs compiled FlexAttention, which skips the masked-out blocks and reads K/V once per
-    KV head; a boolean mask or None runs SDPA (the CPU path: FlexAttention has no backward on the CPU). No causal
-    flag: every non-bidirectional pattern arrives as an explicit mask.
+    `train.masks.flex_block_mask`) runs compiled FlexAttention, which skips the masked-out blocks and reads K/V
+    once per KV head; a boolean mask or None runs SDPA (the CPU path: FlexAttention has no backward on the CPU). No
+    causal flag: every non-bidirectional pattern arrives as an explicit mask.
     """
     if isinstance(mask, BlockMask):
         return _flex(query, key, value, mask, scale=scale, dropout=dropout)

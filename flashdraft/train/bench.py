@@ -105,7 +105,7 @@ def bench_setup(cfg, target, *, tokenizer=None, steps: int = 8):
     """A training `Setup` around a loaded `FrozenTarget`: the drafter as the trainer builds it (on the target's
     device, layers compiled per `train.compile`) and `steps` steps of synthetic data of `data.max_length` tokens."""
     from flashdraft.train import loop
-    from flashdraft.train.accel import compile_drafter
+    from flashdraft.train.compile import compile_drafter
 
     device = target.device
     target.configure(cfg.target)
@@ -120,7 +120,8 @@ def bench_setup(cfg, target, *, tokenizer=None, steps: int = 8):
 def run_train_step(s, cfg, *, warmup: int = 2, steps: int = 4) -> dict:
     """Time `loop.train_step` on `s` (from `bench_setup`, with >= warmup + steps steps of data)."""
     from flashdraft.train import loop
-    from flashdraft.train.accel import attention_kind, compile_enabled
+    from flashdraft.train.compile import compile_enabled
+    from flashdraft.train.masks import attention_kind
     from flashdraft.train.optim import build_optimizer
 
     optimizer = build_optimizer(s.drafter.parameters(), cfg.optim, s.device)

@@ -23,15 +23,12 @@ import torch
 from flashdraft import embedded
 from flashdraft.config import RunConfig, to_dict
 from flashdraft.drafter import DFlashDraftModel
-from flashdraft.drafter.recipe import (
-    anchor_generator,
-    build_blocks,
-    dflash_loss,
-    sample_anchors,
-)
 from flashdraft.train import distributed
-from flashdraft.train.accel import attention_kind, compile_drafter, drafter_mask, static_shapes
+from flashdraft.train.blocks import anchor_generator, build_blocks, sample_anchors
 from flashdraft.train.checkpoint import CheckpointManager
+from flashdraft.train.compile import compile_drafter, static_shapes
+from flashdraft.train.loss import dflash_loss
+from flashdraft.train.masks import attention_kind, drafter_mask
 from flashdraft.train.metrics import MetricsLogger, plot_training_curve
 from flashdraft.train.optim import build_optimizer, build_scheduler
 from flashdraft.train.stop import GracefulStop

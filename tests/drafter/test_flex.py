@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from flashdraft.drafter import DFlashDraftModel
-from flashdraft.drafter.recipe import build_blocks, dense_block_mask, flex_block_mask, layer_mask_rules
 from flashdraft.tiny_configs import tiny_config
+from flashdraft.train.blocks import build_blocks
+from flashdraft.train.masks import dense_block_mask, flex_block_mask, layer_mask_rules
 
 HIDDEN = 64  # tiny_config's hidden size
 CUDA = torch.cuda.is_available()

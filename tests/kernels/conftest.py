@@ -61,10 +61,23 @@ def _import_kernels():
 KERNELS = _import_kernels()
 
 
+# The modules that allocate kernel outputs, each through its own binding of `forward._empty_like_output`.
+ALLOCATING_MODULES = ("forward", "backward", "function", "update")
+
+
 @pytest.fixture
 def cc(monkeypatch):
-    """The `flashdraft.kernels.causal_conv1d` package under test, with NaN-poisoned outputs."""
-    monkeypatch.setattr(KERNELS, "POISON_OUTPUTS", True)
+    """The `flashdraft.kernels.causal_conv1d` package under test, every kernel output allocated NaN-filled: an
+    element a kernel fails to write then shows as NaN (the tests require finite outputs)."""
+    allocate = KERNELS.forward._empty_like_output
+
+    def nan_filled(*args, **kwargs):
+        return allocate(*args, **kwargs).fill_(float("nan"))
+
+    for name in ALLOCATING_MODULES:
+        module = getattr(KERNELS, name)
+        assert module._empty_like_output is allocate, f"{name}.py allocates its outputs some other way"
+        monkeypatch.setattr(module, "_empty_like_output", nan_filled)
     return KERNELS
 
 

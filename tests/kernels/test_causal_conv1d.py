@@ -233,12 +233,10 @@ class _Launches:
         return self.kernel[grid]
 
 
-# Each forward kernel on the layout it does not serve by default (`forward.FORWARD_KERNEL`): the tile kernel on
-# channel-last x is a benchmark candidate, and both must be right on any strides.
-@pytest.mark.parametrize("kernel, layout", [("tile", "channel_last"), ("rows", "channel_first")])
+# The forward kernel follows the layout of x: the row walk on channel-last x, the tile kernel on any other strides.
+@pytest.mark.parametrize("kernel, layout", [("rows", "channel_last"), ("tile", "channel_first")])
 @pytest.mark.parametrize("dtype, width, options", [(BF16, 4, "seq_idx"), (F32, 3, "states"), (F16, 2, "states")])
-def test_forced_forward_kernel(cc, device, shapes, gen, monkeypatch, kernel, layout, dtype, width, options):
-    monkeypatch.setattr(cc.forward, "FORWARD_KERNEL", kernel)
+def test_forward_kernel_by_layout(cc, device, shapes, gen, monkeypatch, kernel, layout, dtype, width, options):
     if not CUDA:  # the interpreter launches the kernel itself; a GPU goes through the autotuner in `_tuned`
         name = "causal_conv1d_fwd_kernel" if kernel == "rows" else "causal_conv1d_fwd_tile_kernel"
         launches = _Launches(getattr(cc.forward, name))
@@ -253,8 +251,44 @@ def test_forced_forward_kernel(cc, device, shapes, gen, monkeypatch, kernel, lay
         check_fn(cc, x, weight, bias, seq_idx=seq_idx, h0=h0, activation="silu", gen=gen)
     else:
         check_fn(cc, x, weight, bias, h0=h0, return_final_states=True, activation="silu", gen=gen)
-    tuned = "tile-cl" if (kernel, layout) == ("tile", "channel_last") else kernel
-    assert (tuned, x.element_size()) in cc.forward._tuned if CUDA else launches.count == 1
+    assert (kernel, x.element_size()) in cc.forward._tuned if CUDA else launches.count == 1
+
+
+class _NoLaunch:
+    """Stands in for a kernel (or its autotuned wrapper) and writes nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def test_poisoned_outputs_show_unwritten_elements(cc, device, gen, monkeypatch):
+    # The `cc` fixture's NaN-filled allocation reaches every output of every kernel: with kernels that write
+    # nothing, each output (y, final states, every gradient, the update's y) comes back all NaN.
+    for module, names in (
+        (cc.forward, ("causal_conv1d_fwd_kernel", "causal_conv1d_fwd_tile_kernel")),
+        (cc.backward, ("causal_conv1d_bwd_kernel", "causal_conv1d_bwd_tile_kernel")),
+        (cc.update, ("causal_conv1d_update_kernel",)),
+    ):
+        for name in names:
+            monkeypatch.setattr(module, name, _NoLaunch())
+    monkeypatch.setattr(cc.forward, "_tuned_kernel", lambda kind, elem_size: _NoLaunch())
+    monkeypatch.setattr(cc.backward, "_tuned_kernel", lambda kind, elem_size: _NoLaunch())
+    monkeypatch.setattr(cc.update, "_plans", {})
+    batch, dim, seqlen, width = 2, 24, 9, 4
+    for channel_last in (True, False):
+        x = make_x(gen, (batch, dim, seqlen), F32, device, channel_last).requires_grad_()
+        weight = torch.randn(dim, width, generator=gen).to(device).requires_grad_()
+        bias = torch.randn(dim, generator=gen).to(device).requires_grad_()
+        h0 = torch.randn(batch, dim, width - 1, generator=gen).to(device).requires_grad_()
+        y, final_states = cc.causal_conv1d_fn(x, weight, bias, None, h0, True, None, "silu")
+        grads = torch.autograd.grad(y.sum(), (x, weight, bias, h0))
+        outputs = {"y": y, "final_states": final_states}
+        outputs.update(zip(("dx", "dweight", "dbias", "dinitial_states"), grads, strict=True))
+        for name, out in outputs.items():
+            assert out.isnan().all(), f"{name} (channel_last={channel_last}): not every element is NaN"
+    state = torch.randn(batch, dim, width, generator=gen).to(device)
+    y = cc.causal_conv1d_update(torch.randn(batch, dim, generator=gen).to(device), state, weight.detach())
+    assert y.isnan().all(), "update y: not every element is NaN"
 
 
 @pytest.mark.parametrize("dtype, width", [(BF16, 4), (F32, 3)])
@@ -292,13 +326,6 @@ def test_silu_over_the_whole_float32_range(cc, device):
     # Below ~1e-37 float32 has only subnormals, which the approximate instructions flush to 0.
     bad = (y - ref).abs() > 1e-5 * ref.abs() + 1e-36
     assert not bad.any(), f"silu off at z = {x.cpu()[bad].tolist()}: {y[bad].tolist()} vs {ref[bad].tolist()}"
-
-
-def test_forward_kernel_setting_is_checked(cc, device, gen, monkeypatch):
-    monkeypatch.setattr(cc.forward, "FORWARD_KERNEL", "fast")
-    x = make_x(gen, (1, 8, 6), F32, device, True)
-    with pytest.raises(ValueError, match="FORWARD_KERNEL"):
-        cc.causal_conv1d_fn(x, torch.ones(8, 4, device=device))
 
 
 def test_final_states_without_initial_states_short_input(cc, device, gen):

@@ -11,10 +11,7 @@ imported (Triton reads it when the kernels are decorated); otherwise the public 
 
 import torch
 
-# Tests set this: every kernel output is then allocated NaN-filled, so an element a kernel fails to write shows.
-POISON_OUTPUTS = False
-
-from flashdraft.kernels.causal_conv1d.reference import (  # noqa: E402
+from flashdraft.kernels.causal_conv1d.reference import (
     UnsupportedActivationError,
     causal_conv1d_ref,
     causal_conv1d_update_ref,
@@ -42,7 +39,6 @@ def triton_available_for(tensor: torch.Tensor) -> bool:
 
 
 __all__ = [
-    "POISON_OUTPUTS",
     "CausalConv1dFunction",
     "UnsupportedActivationError",
     "causal_conv1d_fn",

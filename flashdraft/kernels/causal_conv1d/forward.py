@@ -9,8 +9,7 @@ Two kernels, one per memory layout of x `[B, D, L]`:
   one block ahead of the rows being computed, so that SUB_L 16-byte loads per thread are always in flight.
 - `causal_conv1d_fwd_tile_kernel` (channel-first, L contiguous, or any other strides). A `[BLOCK_D, BLOCK_L]` tile
   is computed from W shifted loads of x; the shifted loads mostly hit L1 but cannot be vectorised (misaligned),
-  so this layout runs well below the channel-last one. On channel-last x the shifted loads are whole rows, which
-  do vectorise: `FORWARD_KERNEL = "tile"` runs it there too (its own configs), for benchmarks to compare.
+  so this layout runs well below the channel-last one.
 
 Both accumulate in float32, take any float dtype of weight and bias, and support seq_idx, initial states and
 final states in either layout.
@@ -18,28 +17,22 @@ final states in either layout.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import triton
 import triton.language as tl
 
-# The package object (in sys.modules while its __init__ imports this module), whose POISON_OUTPUTS tests set.
-_package = sys.modules[__package__]
-
 
 def _empty_like_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, channel_last: bool = False):
-    """Allocates a kernel output `[B, D, L]` (or any shape when not channel_last); NaN-filled when POISON_OUTPUTS.
+    """Allocates a kernel output `[B, D, L]` (or any shape when not channel_last), uninitialised.
+
+    Every kernel output of this package is allocated here, and each kernel must write all of it: the tests patch
+    this function to return NaN-filled tensors, so that an element a kernel fails to write shows.
 
     channel_last: the memory of `[B, L, D]`, returned as its `[B, D, L]` transposed view.
     """
     if channel_last:
-        out = torch.empty((shape[0], shape[2], shape[1]), dtype=dtype, device=device).transpose(1, 2)
-    else:
-        out = torch.empty(shape, dtype=dtype, device=device)
-    if _package.POISON_OUTPUTS:
-        out.fill_(float("nan"))
-    return out
+        return torch.empty((shape[0], shape[2], shape[1]), dtype=dtype, device=device).transpose(1, 2)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 # The kernels call only Triton builtins and functions of this package: the interpreter cannot call Triton's own
@@ -62,7 +55,7 @@ def _sigmoid(z):
     """1 / (1 + exp(-z)) in float32. Compiled, 4 instructions where `tl.exp` and `/` compile to 12 with their range
     checks: the same ex2.approx that tl.exp uses and rcp.approx (1 ulp), both flushing subnormals, which changes
     nothing here (the denominator is >= 1; exp(-z) below 2^-126 only meets 1 + exp(-z) = 1). SiLU's instructions,
-    not memory, set the channel-last forward's speed on the H200 (bench/NOTES.md, 2026-12-04)."""
+    not memory, set the channel-last forward's speed on the H200."""
     if _FAST_SIGMOID:
         return tl.inline_asm_elementwise(
             "{ .reg .f32 t; mul.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; add.f32 t, t, 0f3F800000; "
@@ -360,15 +353,14 @@ def _row_configs(vec: int) -> list[triton.Config]:
         c({"BLOCK_D": vec * 32, "SUB_L": 8, "N_SUB": 16}, num_warps=1, num_stages=1),
         c({"BLOCK_D": vec * 128, "SUB_L": 8, "N_SUB": 4}, num_warps=4, num_stages=1),
         c({"BLOCK_D": vec * 32, "SUB_L": 16, "N_SUB": 4}, num_warps=2, num_stages=1),
-        # More bytes in flight per thread than the config that won on the H200 (bench/NOTES.md, 2026-12-02).
+        # More bytes in flight per thread.
         c({"BLOCK_D": vec * 32, "SUB_L": 16, "N_SUB": 8}, num_warps=2, num_stages=1),
         c({"BLOCK_D": vec * 32, "SUB_L": 16, "N_SUB": 4}, num_warps=1, num_stages=1),
         # Short runs (an engine verifying 16 tokens): more programs, each walking fewer rows. At L=16 the configs
         # above give one program per 256+ channels that walks all 16 rows (9 us at D=10240 on the H200).
         c({"BLOCK_D": vec * 32, "SUB_L": 4, "N_SUB": 1}, num_warps=1, num_stages=1),
         c({"BLOCK_D": vec * 32, "SUB_L": 8, "N_SUB": 1}, num_warps=1, num_stages=1),
-        # Narrower programs (4 or 2 elements per thread): more of them per SM when B * L is small. Fastest at
-        # (1, 8192) and (4, 4096) on the H200 until SiLU got cheaper (bench/NOTES.md, sessions 9 and 11).
+        # Narrower programs (4 or 2 elements per thread): more of them per SM when B * L is small.
         c({"BLOCK_D": vec * 16, "SUB_L": 16, "N_SUB": 4}, num_warps=1, num_stages=1),
         c({"BLOCK_D": vec * 8, "SUB_L": 16, "N_SUB": 4}, num_warps=1, num_stages=1),
     ]
@@ -385,24 +377,6 @@ def _tile_configs() -> list[triton.Config]:
     ]
 
 
-def _tile_channel_last_configs(vec: int) -> list[triton.Config]:
-    """Tiles for channel-last x: wide along D, the contiguous axis (vec elements = 16 bytes per load), and every
-    row of the tile in flight at once, where the row walk keeps SUB_L rows in flight per thread."""
-    c = triton.Config
-    return [
-        c({"BLOCK_D": vec * 16, "BLOCK_L": 32}, num_warps=4, num_stages=1),
-        c({"BLOCK_D": vec * 32, "BLOCK_L": 16}, num_warps=4, num_stages=1),
-        c({"BLOCK_D": vec * 32, "BLOCK_L": 32}, num_warps=8, num_stages=1),
-        c({"BLOCK_D": vec * 16, "BLOCK_L": 64}, num_warps=8, num_stages=1),
-        c({"BLOCK_D": vec * 8, "BLOCK_L": 64}, num_warps=4, num_stages=1),
-        c({"BLOCK_D": vec * 64, "BLOCK_L": 8}, num_warps=4, num_stages=1),
-    ]
-
-
-# None: the kernel by layout (rows for channel-last x, tile otherwise); "rows" or "tile" forces one, whatever the
-# layout (tests run both on both layouts; bench/kernels_conv.py times the tile kernel on channel-last x beside rows).
-FORWARD_KERNEL: str | None = None
-
 # Small blocks under the interpreter, so that CPU tests cross program boundaries with small shapes.
 _INTERPRET_ROW_META = {"BLOCK_D": 16, "SUB_L": 4, "N_SUB": 2}
 _INTERPRET_TILE_META = {"BLOCK_D": 8, "BLOCK_L": 16}
@@ -411,14 +385,11 @@ _tuned: dict[tuple[str, int], triton.runtime.Autotuner] = {}
 
 
 def _tuned_kernel(kind: str, elem_size: int):
-    """The autotuned kernel of `kind` ("rows", "tile" or "tile-cl": the tile kernel on channel-last x) for an
-    element size (configs are built per element size)."""
+    """The autotuned kernel of `kind` ("rows" or "tile") for an element size (configs are built per element size)."""
     key = (kind, elem_size)
     if key not in _tuned:
         if kind == "rows":
             fn, configs = causal_conv1d_fwd_kernel, _row_configs(16 // elem_size)
-        elif kind == "tile-cl":
-            fn, configs = causal_conv1d_fwd_tile_kernel, _tile_channel_last_configs(16 // elem_size)
         else:
             fn, configs = causal_conv1d_fwd_tile_kernel, _tile_configs()
         _tuned[key] = triton.autotune(
@@ -488,9 +459,7 @@ def causal_conv1d_fwd(
         HAS_H0=initial_states is not None,
         HAS_HT=final_states is not None,
     )
-    kind = FORWARD_KERNEL or ("rows" if channel_last else "tile")
-    if kind not in ("rows", "tile"):
-        raise ValueError(f"FORWARD_KERNEL = {kind!r}: must be None, 'rows' or 'tile'")
+    kind = "rows" if channel_last else "tile"
     if kind == "rows":
         grid = lambda meta: (
             triton.cdiv(seqlen, meta["SUB_L"] * meta["N_SUB"]),
@@ -505,6 +474,5 @@ def causal_conv1d_fwd(
         kernel[grid(meta)](*args, **flags, **meta)
     else:
         with torch.cuda.device(x.device):
-            tuned = "tile-cl" if kind == "tile" and channel_last else kind
-            _tuned_kernel(tuned, x.element_size())[grid](*args, **flags)
+            _tuned_kernel(kind, x.element_size())[grid](*args, **flags)
     return y

@@ -94,8 +94,9 @@ class CausalConv1dFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, silu):
         if final_states_out is not None:
             ctx.mark_dirty(final_states_out)
-        y, final_states = _forward(x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
-                                   silu)  # fmt: skip
+        y, final_states = _forward(
+            x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, silu
+        )
         ctx.save_for_backward(x, weight, bias, seq_idx, initial_states)
         ctx.silu = silu
         ctx.return_final_states = return_final_states
@@ -156,10 +157,10 @@ def causal_conv1d_fn(
         bias = bias.contiguous()
     differentiable = (x, weight, bias, initial_states)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)):
-        # Inference (a frozen target, decoding): the kernel without autograd.Function's bookkeeping. On the H200's
-        # host a call's launch path took 81 us against a 108 us kernel at 1 x 8192 (bench/RESULTS.md, session 9).
-        y, final_states = _forward(x, weight, bias, seq_idx, initial_states, return_final_states,
-                                   final_states_out if return_final_states else None, silu)  # fmt: skip
+        # Inference (a frozen target, decoding): the kernel without autograd.Function's bookkeeping, which is host
+        # time on every call; on the H200's host a call's launch path is comparable to the kernel at 1 x 8192.
+        out = final_states_out if return_final_states else None
+        y, final_states = _forward(x, weight, bias, seq_idx, initial_states, return_final_states, out, silu)
         return (y, final_states) if return_final_states else y
     return CausalConv1dFunction.apply(
         x,

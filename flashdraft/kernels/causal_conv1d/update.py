@@ -9,17 +9,12 @@ and pointers, and the plan never has to look at them.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import triton
 import triton.language as tl
 
-from flashdraft.kernels.causal_conv1d.forward import INTERPRET, _sigmoid
+from flashdraft.kernels.causal_conv1d.forward import INTERPRET, _empty_like_output, _sigmoid
 from flashdraft.kernels.causal_conv1d.reference import check_activation
-
-# The package object (in sys.modules while its __init__ imports this module), whose POISON_OUTPUTS tests set.
-_package = sys.modules[__package__]
 
 _INTS = [
     "D",
@@ -319,9 +314,7 @@ def causal_conv1d_update(
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _Plan(x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices)
-    y = torch.empty(plan.y_shape, dtype=plan.dtype, device=plan.device)
-    if _package.POISON_OUTPUTS:
-        y.fill_(float("nan"))
+    y = _empty_like_output(plan.y_shape, plan.dtype, plan.device)
     compiled = plan.compiled
     if (
         compiled is not None

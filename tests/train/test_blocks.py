@@ -1,0 +1,103 @@
+"""Anchors and packed blocks: the anchor rule, seeded draws, labels and weights lined up with positions, and the
+target features lined up with the same positions."""
+
+import math
+
+import pytest
+import torch
+
+from flashdraft.train.blocks import (
+    IGNORE_INDEX,
+    PAD_ANCHOR,
+    anchor_generator,
+    build_blocks,
+    gamma_for,
+    sample_anchors,
+)
+from tests.train import tiny_recipe
+from tests.train.tiny_recipe import BS, M
+
+# ---- anchors -----------------------------------------------------------------------------------------------------
+
+
+def test_gamma_for():
+    assert (gamma_for(16), gamma_for(10), gamma_for(8)) == (7.0, 5.0, 4.0)
+    assert gamma_for(12) == pytest.approx(5 + 2 / 3) and gamma_for(32) == pytest.approx(7 + 16 / 3)
+    assert (gamma_for(4), gamma_for(2)) == (2.0, 1.0)
+
+
+def test_sample_anchors_rule():
+    # Anchor p: response token, next token a response token too, p >= 1, p + bs - 1 <= T - 1 (T = 12 → p <= 8).
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1])
+    assert sample_anchors(mask, 10, BS).tolist() == [2, 3, 6, 7, 8]
+    few = sample_anchors(mask, 3, BS, anchor_generator(0, 0, 0))
+    assert len(few) == 3 and set(few.tolist()) <= {2, 3, 6, 7, 8} and few.tolist() == sorted(set(few.tolist()))
+    assert sample_anchors(mask, 0, BS).numel() == 0
+    assert sample_anchors(torch.zeros(12), 4, BS).numel() == 0
+    assert sample_anchors(torch.ones(3), 4, BS).numel() == 0  # no room for a block
+    assert sample_anchors(torch.ones(5), 4, BS).tolist() == [1]
+    assert sample_anchors(mask, 4, BS).dtype == torch.long
+
+
+def test_anchor_generator_per_epoch_and_sample():
+    mask = torch.ones(600)
+    draw = lambda seed, epoch, index: sample_anchors(mask, 16, 16, anchor_generator(seed, epoch, index)).tolist()
+    assert draw(0, 1, 7) == draw(0, 1, 7)
+    assert draw(0, 1, 7) != draw(0, 2, 7)
+    assert draw(0, 1, 7) != draw(0, 1, 8)
+    assert draw(0, 1, 7) != draw(1, 1, 7)
+
+
+# ---- blocks: labels and weights line up with positions -------------------------------------------------------
+
+
+def test_build_blocks_hand_made():
+    ids = torch.tensor([list(range(10, 20)), list(range(20, 30))])
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1, 1, 1]])
+    anchors = [torch.tensor([3, 6]), torch.tensor([7])]
+    batch = build_blocks(ids, loss_mask, anchors, BS, M, gamma=2.0)
+    x, e1, e2 = IGNORE_INDEX, math.exp(-1 / 2), math.exp(-2 / 2)
+
+    assert batch.anchors.tolist() == [[3, 6], [7, PAD_ANCHOR]]
+    assert batch.block_valid.tolist() == [[True, True], [True, False]]
+    assert batch.block_ids.tolist() == [[13, M, M, M, 16, M, M, M], [27, M, M, M, M, M, M, M]]
+    assert batch.position_ids[:, :10].tolist() == [list(range(10))] * 2
+    assert batch.position_ids[:, 10:].tolist() == [[3, 4, 5, 6, 6, 7, 8, 9], [7, 8, 9, 10, 0, 1, 2, 3]]
+    # Row 0, block 1: 18 and 19 are not response tokens. Row 1: position 10 is past the end; then padding.
+    assert batch.labels.tolist() == [[x, 14, 15, 16, x, 17, x, x], [x, 28, 29, x, x, x, x, x]]
+    torch.testing.assert_close(
+        batch.weights,
+        torch.tensor([[0, 1, e1, e2, 0, 1, 0, 0], [0, 1, e1, 0, 0, 0, 0, 0]], dtype=torch.float32),
+    )
+    assert batch.ctx_len == 10
+    # Default γ follows the block size; no anchors at all still gives one (padding) block.
+    assert build_blocks(ids, loss_mask, [torch.tensor([3]), torch.tensor([3])], 16, M).weights[0, 2].item() == (
+        pytest.approx(math.exp(-1 / 7))
+    )
+    empty = build_blocks(ids, loss_mask, [torch.empty(0, dtype=torch.long)] * 2, BS, M)
+    assert empty.anchors.tolist() == [[PAD_ANCHOR]] * 2 and (empty.labels == x).all()
+    with pytest.raises(ValueError, match="anchors must lie in"):
+        build_blocks(ids, loss_mask, [torch.tensor([10]), torch.tensor([1])], BS, M)
+
+
+# ---- the context side: feature i belongs to token i ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=tiny_recipe.FAMILIES)
+def setup(request):
+    return tiny_recipe.build(request.param)
+
+
+def test_features_come_from_the_same_position(setup):
+    target, _, ids, _, features = setup
+    i = 11
+    prefix = target.capture(ids[:1, : i + 1])
+    torch.testing.assert_close(prefix[0, i], features[0, i], rtol=1e-6, atol=1e-6)
+    # Same batch shape and kernels as the reference below, so "unchanged" can be exact.
+    single = target.capture(ids[:1])
+    nxt = ids[:1].clone()
+    nxt[0, i + 1] = (nxt[0, i + 1] + 1) % 256
+    assert torch.equal(target.capture(nxt)[0, : i + 1], single[0, : i + 1])  # causal: i + 1 never leaks back
+    cur = ids[:1].clone()
+    cur[0, i] = (cur[0, i] + 1) % 256
+    assert not torch.isclose(target.capture(cur)[0, i], single[0, i]).all()  # token i itself is in feature i
