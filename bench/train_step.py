@@ -17,7 +17,7 @@ per sequence length, 512 anchors x 16, batch 1:
   --profile-target  GPU time of one `FrozenTarget.capture` by kernel family and the top kernels (where the target
                forward, most of a long-sequence step, goes)
 Each: warmup steps, then timed steps: median wall seconds per step (synchronised), sequence tokens/s, MFU of one FLOP
-count per length (DESIGN.md's cost model, printed), peak GPU memory of the timed steps, CUDA-event breakdown.
+count per length (the trainer's cost model, `loop.step_flops`, printed), peak GPU memory of the timed steps, CUDA-event breakdown.
 Extra arguments `section.field=value` override flashdraft's config (e.g. train.compile=false).
 """
 
@@ -146,9 +146,10 @@ def run_naive(model, d, seq, device, dtype, warmup, steps, flops) -> dict:
 
 
 def fbench_peak(device: str):
-    from flashdraft.train.loop import PEAK_FLOPS
+    from flashdraft.train.peak_flops import device_peak
 
-    return PEAK_FLOPS.get(torch.device(device).type)
+    peak = device_peak(torch.device(device))
+    return peak.flops if peak else None
 
 
 def run_flashdraft(target, d, seq, device, warmup, steps, overrides, label="flashdraft") -> dict:

@@ -1,4 +1,4 @@
-"""The DFlash training recipe (paper §4.2, DESIGN.md): anchors, packed blocks, the block mask, the weighted loss.
+"""The DFlash training recipe (the DFlash paper, §4.2): anchors, packed blocks, the block mask, the weighted loss.
 
 One training sequence of T tokens becomes one drafter sequence: T context features (the target's hidden states)
 then A blocks of `block_size` tokens, one per anchor p_a, packed side by side:
@@ -21,7 +21,7 @@ Decisions (each is what inference does, so that training and serving see the sam
 - The loss is Σ w·CE / Σ w over the labelled positions (k >= 1 whose token is a response token), with
   w_k = exp(-(k - 1) / γ); `denominator=` lets a caller normalise over a whole optimizer step instead.
 - τ: `simulated_tau` = 1 + Σ_k Π_{j<=k} acc_j counts the bonus token, like the acceptance length measured at
-  inference; `expected_accepted` = Σ_k Π_{j<=k} acc_j (DESIGN.md's formula) counts drafted tokens only.
+  inference; `expected_accepted` = Σ_k Π_{j<=k} acc_j counts drafted tokens only.
 """
 
 from __future__ import annotations
@@ -349,7 +349,7 @@ class LossStats:
 
 
 def expected_accepted(acc_per_position: torch.Tensor) -> torch.Tensor:
-    """Σ_k Π_{j<=k} acc_j (DESIGN.md): expected drafted tokens accepted per block, acc for k = 1..bs-1."""
+    """Σ_k Π_{j<=k} acc_j: expected drafted tokens accepted per block, acc for k = 1..bs-1."""
     return torch.cumprod(acc_per_position.double(), dim=-1).sum(-1)
 
 

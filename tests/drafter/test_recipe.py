@@ -97,7 +97,8 @@ def test_build_blocks_hand_made():
 
 
 def brute_force_mask(batch, window=None, causal=False):
-    """The rules of DESIGN.md written out key by key, positions as at inference (key index = position)."""
+    """The block-mask rules of flashdraft/drafter/recipe.py written out key by key, positions as at inference (key
+    index = position)."""
     B, A = batch.anchors.shape
     T, bs = batch.ctx_len, batch.block_size
     out = torch.zeros(B, 1, A * bs, T + A * bs, dtype=torch.bool)
