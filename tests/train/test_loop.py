@@ -56,7 +56,9 @@ def test_outputs_of_a_run(full_run):
 
 
 def test_a_fresh_drafter_starts_far_above_the_shipped_one(full_run, tmp_path):
-    result = loop.train(_cfg(tmp_path / "fresh", "drafter.init_from=null", "train.max_steps=1", "data.eval_prompts=null"))
+    result = loop.train(
+        _cfg(tmp_path / "fresh", "drafter.init_from=null", "train.max_steps=1", "data.eval_prompts=null")
+    )
     (row,) = [json.loads(line) for line in (tmp_path / "fresh" / "metrics.jsonl").read_text().splitlines()]
     # Untrained hidden states through the trained (tied, large-norm) LM head: confidently wrong, worse than uniform.
     log_vocab = torch.log(torch.tensor(1088.0)).item()
@@ -369,7 +371,7 @@ def test_logged_loss_accuracy_and_tau_are_means_over_the_log_window(tmp_path, mo
 
     monkeypatch.setattr(loop, "dflash_loss", recording)
     out = tmp_path / "window"
-    loop.train(_two_steps(out, "train.max_steps=5", "log.every=3", "train.grad_accum=2"))
+    loop.train(_two_steps(out, "train.max_steps=5", "log.every=3", "log.eval_every=0", "train.grad_accum=2"))
     rows = {r["step"]: r for r in _rows(out)}
     assert list(rows) == [3, 5] and len(micro) == 10
     # Step 5 ends a run that is not a multiple of log.every: its line is over the last 3 steps (3, 4, 5), not over
