@@ -469,6 +469,21 @@ def _open_tracker(name: str, out: Path, config: dict, resume_from_step: int | No
 # ---- plot -------------------------------------------------------------------------------------------------------
 
 
+def trend_reach(points: int) -> int:
+    """How many log windows on each side a curve's trend averages over: a twentieth of the run, at least 1; 0 (no
+    trend) below 10 points."""
+    return max(1, points // 20) if points >= 10 else 0
+
+
+def centered_mean(values: list[float], reach: int) -> list[float]:
+    """At each point, the mean of the values up to `reach` points before and after it (fewer at the ends): a trend
+    that does not lag behind the curve as a trailing mean would."""
+    return [
+        sum(values[max(0, i - reach) : i + reach + 1]) / len(values[max(0, i - reach) : i + reach + 1])
+        for i in range(len(values))
+    ]
+
+
 def draw_training_curve(
     metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike, final_tau: float | None = None
 ) -> Path | None:
@@ -486,8 +501,12 @@ def plot_training_curve(
     metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike, final_tau: float | None = None
 ) -> Path:
     """Loss (left axis) and simulated tau (right axis) against step, with the measured tau of the periodic
-    evaluations and `final_tau` (the end-of-run measurement) at the last step; final values in the title; returns
-    the PNG."""
+    evaluations and `final_tau` (the end-of-run measurement) at the last step; returns the PNG.
+
+    Each logged value is a mean over one log window, and windows differ in what they read (an easy stretch of data,
+    a hard one): with 10 or more of them, the values are drawn faint and a trend over them bold (`centered_mean`
+    over 2 x `trend_reach` + 1 windows), and the title says where the trend starts and ends.
+    """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -511,10 +530,22 @@ def plot_training_curve(
     fig = Figure(figsize=(8, 4.5), dpi=120, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
+    tau_ax = ax.twinx()
     marker = "o" if max(len(loss), len(tau)) <= 40 else None
-    lines = []
-    if loss:
-        lines += ax.plot(loss_steps, loss, color="tab:blue", marker=marker, markersize=4, label="loss")
+    reach = trend_reach(max(len(loss), len(tau)))
+    lines, summary = [], []
+    for axis, steps, values, color, name, digits in ((ax, loss_steps, loss, "tab:blue", "loss", 3),
+                                                     (tau_ax, tau_steps, tau, "tab:orange", "simulated tau", 2)):  # fmt: skip
+        if not values:
+            continue
+        if not reach:
+            lines += axis.plot(steps, values, color=color, marker=marker, markersize=4, label=name)
+            summary.append(f"{name} {values[-1]:.{digits}f}")
+            continue
+        axis.plot(steps, values, color=color, alpha=0.35, linewidth=1, marker=marker, markersize=2.5)
+        smooth = centered_mean(values, reach)
+        lines += axis.plot(steps, smooth, color=color, linewidth=2.2, label=name)
+        summary.append(f"{name} {smooth[0]:.{digits}f} → {smooth[-1]:.{digits}f}")
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if len(set(loss_steps + tau_steps)) == 1:
@@ -523,9 +554,6 @@ def plot_training_curve(
     ax.set_ylabel("loss", color="tab:blue")
     ax.tick_params(axis="y", labelcolor="tab:blue")
     ax.grid(alpha=0.3)
-    tau_ax = ax.twinx()
-    if tau:
-        lines += tau_ax.plot(tau_steps, tau, color="tab:orange", marker=marker, markersize=4, label="simulated tau")
     if real:
         lines += tau_ax.plot(real_steps, real, color="tab:red", marker="s", markersize=5, linestyle="--",
                              label="measured tau (decoding)")  # fmt: skip
@@ -533,15 +561,13 @@ def plot_training_curve(
     tau_ax.tick_params(axis="y", labelcolor="tab:orange")
     # Below the axes: inside, it would cover one of the two curves.
     fig.legend(lines, [line.get_label() for line in lines], loc="outside lower center", ncols=len(lines))
-    final = []
-    if loss:
-        final.append(f"loss {loss[-1]:.3f}")
-    if tau:
-        final.append(f"simulated tau {tau[-1]:.2f}")
+    if reach:
+        ax.text(0.01, 0.01, f"faint: each log window; bold: mean of {2 * reach + 1} windows", transform=ax.transAxes,
+                fontsize=7, color="dimgray")  # fmt: skip
     if final_tau is not None and math.isfinite(final_tau):
-        final.append(f"measured tau {final_tau:.2f}")
+        summary.append(f"measured tau {final_tau:.2f}")
     last = max(loss_steps[-1:] + tau_steps[-1:])
-    ax.set_title(f"Drafter training, step {last}: {', '.join(final)}")
+    ax.set_title(f"Drafter training, {last} steps: {', '.join(summary)}", fontsize=10)
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_png.with_name(f".{out_png.name}.tmp")

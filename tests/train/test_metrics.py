@@ -15,12 +15,14 @@ from rich.console import Console
 
 from flashdraft.train.metrics import (
     MetricsLogger,
+    centered_mean,
     draw_training_curve,
     format_line,
     is_secret_key,
     plot_training_curve,
     read_metrics,
     redact,
+    trend_reach,
 )
 
 LOGGER = "flashdraft.train.metrics"
@@ -304,6 +306,16 @@ def test_without_matplotlib_the_curve_is_skipped_with_one_line_saying_how_to_get
         f"value is in {tmp_path / 'metrics.jsonl'})"
     ]
     assert not (tmp_path / "curve.png").exists()
+
+
+def test_the_curves_trend_is_a_centered_mean_of_the_log_windows():
+    values = torch.randn(37, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).tolist()
+    for reach in (1, 3):
+        # Reference: each point's neighbourhood, clipped at the ends, averaged by torch.
+        want = [torch.tensor(values[max(0, i - reach) : min(len(values), i + reach + 1)], dtype=torch.float64).mean().item()
+                for i in range(len(values))]  # fmt: skip
+        assert centered_mean(values, reach) == pytest.approx(want, rel=1e-12)
+    assert [trend_reach(n) for n in (1, 9, 10, 19, 40, 100)] == [0, 0, 1, 1, 2, 5]
 
 
 def test_plot_of_an_empty_log_says_so(tmp_path):
