@@ -408,6 +408,7 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
     Offline (`data.features` set, unless `offline=False`): the features are read from there and the target is only
     its config, embedding and LM head, saved beside them; features is None otherwise.
     """
+    from rich import get_console
     from transformers.utils import logging as hf_logging
 
     from flashdraft.data import FormatConfig, PrepareConfig, TokenizedDataset, prepare_shards
@@ -453,7 +454,7 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
             PrepareConfig(data=sources, tokenizer=tokenizer_path, out=cfg.data.shards or str(out / "shards"),
                           format=FormatConfig(format=cfg.data.format, drop_thinking=cfg.data.drop_thinking),
                           max_length=cfg.data.max_length, overlong=cfg.data.overlong, skip_bad=cfg.data.skip_bad,
-                          progress=console is None or console.is_terminal),
+                          progress=(console or get_console()).is_terminal),  # a bar in a log file: a torn line
             tokenizer=tokenizer, console=console,
         )  # fmt: skip
     data = TokenizedDataset(prepared.path)
