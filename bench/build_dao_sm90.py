@@ -1,6 +1,6 @@
 """Restrict causal-conv1d's setup.py (1.6.1–1.7.0) to sm_90 (the anchor build; ~5 min on 16 cores instead of ~10 archs).
 
-Same edit as ../shared/anchors/build_cc_sm90.py: replace the list of -gencode flags by sm_90 alone.
+The edit: replace the list of -gencode flags by sm_90 alone.
 """
 
 import re

@@ -1,6 +1,6 @@
-"""The naive DFlash training step of shared/anchors/naive_train_step.py (the P4/P5 anchor), as a function.
+"""The naive DFlash training step, as a function: the baseline the trainer's speed is compared with.
 
-Same work as the anchor script: the target's hidden states via `output_hidden_states` on the HF model, a 5-layer
+The work of the project's baseline script (not in this repository): the target's hidden states via `output_hidden_states` on the HF model, a 5-layer
 drafter with the target's sizes in plain bf16, a dense boolean mask with SDPA (K/V repeated to the query heads),
 full-vocabulary logits and plain cross-entropy, fused AdamW; the target runs fla's delta rule and fla's conv
 (`fla_kernels`). Changes: the sizes come from `Dims` (so `--smoke` runs it tiny on a CPU), and the step calls
