@@ -173,7 +173,8 @@ def restart_without_checkpoint(out: Path, cfg: RunConfig) -> bool:
     difference = _first_difference(json.loads(json.dumps(to_dict(cfg))), before)
     if difference is not None:
         raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'}, and {saved} is another run's "
-                                f"config ({difference}): give this run another --out, or drop --resume to start it over there")  # fmt: skip
+                                f"config ({difference}): give this run another --out, or drop --resume to start it "
+                                "over there")  # fmt: skip
     return True
 
 
