@@ -534,8 +534,8 @@ def plot_training_curve(
     marker = "o" if max(len(loss), len(tau)) <= 40 else None
     reach = trend_reach(max(len(loss), len(tau)))
     lines, summary = [], []
-    for axis, steps, values, color, name, digits in ((ax, loss_steps, loss, "tab:blue", "loss", 3),
-                                                     (tau_ax, tau_steps, tau, "tab:orange", "simulated tau", 2)):  # fmt: skip
+    curves = ((ax, loss_steps, loss, "tab:blue", "loss", 3), (tau_ax, tau_steps, tau, "tab:orange", "simulated tau", 2))
+    for axis, steps, values, color, name, digits in curves:
         if not values:
             continue
         if not reach:

@@ -312,8 +312,8 @@ def test_the_curves_trend_is_a_centered_mean_of_the_log_windows():
     values = torch.randn(37, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).tolist()
     for reach in (1, 3):
         # Reference: each point's neighbourhood, clipped at the ends, averaged by torch.
-        want = [torch.tensor(values[max(0, i - reach) : min(len(values), i + reach + 1)], dtype=torch.float64).mean().item()
-                for i in range(len(values))]  # fmt: skip
+        near = [values[max(0, i - reach) : min(len(values), i + reach + 1)] for i in range(len(values))]
+        want = [torch.tensor(v, dtype=torch.float64).mean().item() for v in near]
         assert centered_mean(values, reach) == pytest.approx(want, rel=1e-12)
     assert [trend_reach(n) for n in (1, 9, 10, 19, 40, 100)] == [0, 0, 1, 1, 2, 5]
 
