@@ -281,6 +281,7 @@ def test_redact_nested_config_without_touching_the_original():
 
 @pytest.mark.parametrize("steps", [[10], list(range(10, 610, 10))])
 def test_plot_training_curve_writes_a_png(tmp_path, steps):
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
     with MetricsLogger(tmp_path, total_steps=steps[-1], console=console()) as metrics:
         for step in steps:
             metrics.log(
@@ -319,12 +320,14 @@ def test_the_curves_trend_is_a_centered_mean_of_the_log_windows():
 
 
 def test_plot_of_an_empty_log_says_so(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="no logged step has a loss or sim_tau"):
         plot_training_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png")
 
 
 def test_plot_draws_the_final_measured_tau_and_ignores_a_nan(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
     with MetricsLogger(tmp_path, total_steps=30, console=console()) as metrics:
         for step in (10, 20, 30):
             metrics.log(step, {"loss": 4.0 - step / 20, "sim_tau": 1 + step / 30})
