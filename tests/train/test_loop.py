@@ -1,5 +1,6 @@
 """The training loop end to end on the embedded default (CPU): outputs, exact resume, clear failures."""
 
+import importlib.util
 import json
 import logging
 import math
@@ -17,6 +18,7 @@ from flashdraft import embedded
 from flashdraft.config import load_config, to_dict
 from flashdraft.train import loop
 
+PLOT = importlib.util.find_spec("matplotlib") is not None  # the plot extra; without it no curve, and a notice
 SHORT = ["train.max_steps=6", "log.every=1", "log.checkpoint_every=3", "data.eval_limit=1",
          "data.eval_max_new_tokens=8"]  # fmt: skip
 
@@ -44,7 +46,10 @@ def test_outputs_of_a_run(full_run):
     for r in rows:
         assert {"loss", "sim_tau", "acc", "tok_s", "draft_tok_s", "lr"} <= set(r)
         assert r["loss"] > 0 and r["sim_tau"] >= 1 and len(r["acc"]) == 15  # block 16: positions 1..15
-    assert (out / "training_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if PLOT:
+        assert (out / "training_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert result.curve is None and not (out / "training_curve.png").exists()
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000003", "step_00000006"]
     assert (out / "checkpoints" / "step_00000006" / "drafter" / "model.safetensors").is_file()
     assert result.measured_tau is not None and result.measured_tau >= 1
@@ -164,7 +169,7 @@ def test_a_stop_logs_the_steps_since_the_last_log_line(tmp_path, monkeypatch):
     result = loop.train(_cfg(tmp_path / "stopped", "log.every=5"))
     assert result.stopped_by == "SIGINT" and result.steps == 2
     assert list(_losses(tmp_path / "stopped")) == [2]
-    assert (tmp_path / "stopped" / "training_curve.png").is_file()
+    assert (tmp_path / "stopped" / "training_curve.png").is_file() == PLOT
 
 
 def test_cli_runs_the_embedded_default_and_reports(tmp_path):
@@ -174,7 +179,8 @@ def test_cli_runs_the_embedded_default_and_reports(tmp_path):
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "simulated τ" in out.stdout and "measured τ" in out.stdout and "training_curve.png" in out.stdout
+    assert "simulated τ" in out.stdout and "measured τ" in out.stdout
+    assert ("training_curve.png" in out.stdout) == PLOT
 
 
 @pytest.mark.parametrize(
