@@ -1,5 +1,6 @@
 """The peak rate MFU is measured against comes from the GPU the run is on (mocked device names, SM counts)."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -100,3 +101,14 @@ def test_summarize_reports_mfu_against_the_devices_peak_or_unknown(monkeypatch, 
     assert ("MFU –" in format_line(1, row)) == (mfu is None)
     cpu = loop.summarize(_window_stats(), (100, 4, 1.0), SimpleNamespace(device=torch.device("cpu"), peak=None), 1e-4)
     assert "mfu" not in cpu and "MFU" not in format_line(1, cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_gpu_here_matches_its_row():
+    """On a GPU the table names, the name, capability and SM count it reports all agree with its row."""
+    name = torch.cuda.get_device_name()
+    if not any(re.search(gpu.name, name, re.IGNORECASE) for gpu in peak_flops.GPUS):
+        pytest.skip(f"{name} is not in the table")
+    peak = peak_flops.device_peak(CUDA)
+    assert peak is not None, (name, torch.cuda.get_device_capability(), torch.cuda.get_device_properties(CUDA))
