@@ -176,9 +176,10 @@ def run_naive(model, d, seq, device, dtype, warmup, steps, flops) -> dict:
 
 
 def fbench_peak(device: str):
-    from flashdraft.train.loop import PEAK_FLOPS
+    from flashdraft.train.peak_flops import device_peak
 
-    return PEAK_FLOPS.get(torch.device(device).type)
+    peak = device_peak(torch.device(device))
+    return peak.flops if peak else None
 
 
 def run_flashdraft(target, d, seq, device, warmup, steps, overrides, label="flashdraft") -> dict:

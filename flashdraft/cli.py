@@ -21,6 +21,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
 from flashdraft.io import OutputError
 
@@ -65,11 +66,25 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_dependency_notices() -> None:
+    """Silence what a dependency says on every start and flashdraft says better itself.
+
+    fla warns (warnings.warn, UserWarning, from fla.utils.hardware, at its import, which transformers' Qwen3.5 model
+    triggers) "Triton is not supported on current platform, roll back to CPU" on any machine without a GPU
+    driver. The device each layer runs on is reported by flashdraft (`flashdraft doctor`, the target's fast-path
+    line). Only that message of that module is filtered; every other warning shows as before.
+    """
+    warnings.filterwarnings(
+        "ignore", message=r"Triton is not supported on current platform", category=UserWarning, module=r"fla\."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     # No download unless asked (HF_HUB_OFFLINE=0; flashdraft.target.resolve_local_files_only): said to transformers and
     # huggingface_hub too, before build_parser imports them (they read it once, at import). Without it they contact
     # the Hub even for cached files (huggingface_hub 1.x fetches an agent registry to build request headers).
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    quiet_dependency_notices()  # before build_parser imports anything that imports fla
     words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
     parser = build_parser(words[0] if words and words[0] in SUBCOMMANDS else None)
     args = parser.parse_args(argv)

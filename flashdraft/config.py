@@ -167,6 +167,9 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     """A NaN/inf loss or gradient: stop (the run ends, naming the last good checkpoint) | skip (that step's update
     is dropped, counted and reported)."""
+    peak_tflops: float | None = None
+    """Dense bf16 TFLOP/s of one GPU, the denominator of the logged MFU. null: from flashdraft's table of known GPUs
+    (flashdraft/train/peak_flops.py); on a GPU missing from it MFU is reported as unknown."""
 
 
 @dataclass(kw_only=True)
@@ -183,7 +186,8 @@ class LogConfig:
     """Measure real τ (greedy speculative decoding of data.eval_prompts, data.eval_limit prompts) every N steps, as
     `tau` in that step's metrics; a multiple of log.every. 0: only once, at the end. Loads the full target once."""
     trackers: list[str] = field(default_factory=list)
-    """Optional trackers: wandb, tensorboard, trackio (used when installed)."""
+    """Optional trackers: wandb, tensorboard, trackio. A tracker named here must be installed (the run refuses to
+    start otherwise)."""
 
 
 @dataclass(kw_only=True)
@@ -242,6 +246,7 @@ class RunConfig:
             ("train.attention", self.train.attention in ("auto", "flex", "sdpa"), "must be auto, flex or sdpa"),
             ("train.static_shapes", is_switch(self.train.static_shapes), "must be auto, true or false"),
             ("train.compile", is_switch(self.train.compile), "must be auto, true or false"),
+            ("train.peak_tflops", self.train.peak_tflops is None or self.train.peak_tflops > 0, "must be > 0 or null"),
             ("target.compile", is_switch(self.target.compile), "must be auto, true or false"),
             ("target.dtype", self.target.dtype in ("auto", "bfloat16", "float16", "float32"),
              "must be auto, bfloat16, float16 or float32"),

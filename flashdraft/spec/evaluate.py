@@ -327,13 +327,15 @@ def print_report(report: dict, console=None) -> None:
 
 
 def _require_matplotlib():
+    """pyplot, or a ValueError (exit 2, before the models load) saying how to get it: --plot is a request, and a run
+    that quietly left out the file asked for would surface only where something reads it."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'flashdraft[plot]' (or matplotlib)") from None
+        raise ValueError("--plot needs matplotlib: pip install 'flashdraft[plot]', or leave out --plot") from None
     return plt
 
 

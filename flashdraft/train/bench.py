@@ -7,7 +7,8 @@
 It builds the target and the drafter as `flashdraft train` does and runs `loop.train_step` — the function the
 trainer runs — on synthetic sequences of `data.max_length` random tokens, all of them response tokens (so each gets
 `recipe.num_anchors` blocks, the recipe's steady state). It reports steady-state seconds per step, sequence tokens/s,
-MFU of DESIGN.md's cost model (the FLOP count is printed), peak GPU memory, and a CUDA-event breakdown: target
+MFU of the trainer's cost model (`loop.step_flops`; the FLOP count is printed) against the GPU's peak
+(`flashdraft.train.peak_flops`), peak GPU memory, and a CUDA-event breakdown: target
 forward, drafter forward, loss (LM head forward and its input gradient), drafter backward, optimizer.
 `bench/train_step.py` runs the same function beside a naive trainer on a random Qwen3.5-27B-shaped target.
 """
@@ -106,6 +107,7 @@ def bench_setup(cfg, target, *, tokenizer=None, steps: int = 8):
     device, layers compiled per `train.compile`) and `steps` steps of synthetic data of `data.max_length` tokens."""
     from flashdraft.train import loop
     from flashdraft.train.compile import compile_drafter
+    from flashdraft.train.peak_flops import device_peak
 
     device = target.device
     target.configure(cfg.target)
@@ -114,7 +116,8 @@ def bench_setup(cfg, target, *, tokenizer=None, steps: int = 8):
     compile_drafter(drafter, cfg.train, device)
     per_step = cfg.train.batch_size * cfg.train.grad_accum
     data = SyntheticSequences(steps * per_step, cfg.data.max_length, target.lm_head_weight.shape[0], cfg.train.seed)
-    return loop.Setup(device, tokenizer, target, drafter, data, steps, steps)
+    peak = device_peak(device, cfg.train.peak_tflops)
+    return loop.Setup(device, tokenizer, target, drafter, data, steps, steps, peak=peak)
 
 
 def run_train_step(s, cfg, *, warmup: int = 2, steps: int = 4) -> dict:
@@ -134,7 +137,7 @@ def run_train_step(s, cfg, *, warmup: int = 2, steps: int = 4) -> dict:
 
     result = measure(step, s.device, warmup, steps)
     flops = loop.step_flops(s, counts["tokens"], counts["labelled"])
-    peak = loop.PEAK_FLOPS.get(s.device.type)
+    peak = s.peak.flops if s.peak else None
     result.update(
         variant="flashdraft",
         attention=attention_kind(cfg.train.attention, s.device),
@@ -144,6 +147,7 @@ def run_train_step(s, cfg, *, warmup: int = 2, steps: int = 4) -> dict:
         flops=flops,
         tok_s=counts["tokens"] / result["step_s"],
         mfu=flops / result["step_s"] / peak if peak else None,
+        peak_tflops=peak / 1e12 if peak else None,
         finite=counts["finite"],
     )
     return result
@@ -218,9 +222,13 @@ def run(args) -> int:
           f"{target.dtype}, {target.device}; drafter {sum(p.numel() for p in s.drafter.parameters()) / 1e6:.1f}M "
           f"params; seq {cfg.data.max_length} x batch {cfg.train.batch_size} x accum {cfg.train.grad_accum}, "
           f"{cfg.recipe.num_anchors} anchors x {s.drafter.block_size}", flush=True)  # fmt: skip
+    from flashdraft.train.peak_flops import describe
+
+    if (basis := describe(s.device, s.peak)) is not None:
+        print(basis, flush=True)
     result = run_train_step(s, cfg, warmup=args.warmup, steps=args.steps)
     result["seq"] = cfg.data.max_length
-    print(f"FLOPs per step (DESIGN.md cost model, attention excluded): {result['flops']:.4g} = "
+    print(f"FLOPs per step (the trainer's cost model, attention excluded): {result['flops']:.4g} = "
           f"{result['flops'] / result['seq_tokens'] / 1e9:.4g} GFLOP per sequence token; attention "
           f"{result['attention']}, compiled layers {result['compiled']}")  # fmt: skip
     print(table([result]))

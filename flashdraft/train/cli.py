@@ -14,7 +14,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a DFlash drafter (no arguments: the embedded default on this machine)")
     p.add_argument("--config", default=None, help="YAML config (see examples/); default: the embedded default")
     p.add_argument("--out", default=None, help="output directory (overrides log.out)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in OUT")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest complete checkpoint in OUT (a run of the same config stopped before its first "
+        "checkpoint starts again from step 0)",
+    )
     p.add_argument("--help-config", action="store_true", help="list every config field with its default and meaning")
     add_nproc_argument(p)
     p.add_argument("overrides", nargs="*", metavar="section.field=value", help="dotted overrides, e.g. optim.lr=3e-4")
@@ -76,10 +81,8 @@ def _run(args, cfg, console) -> int:
     console.print(f"\n[bold green]done[/]: {result.steps} steps, loss {result.loss:.3f}, simulated τ {result.sim_tau:.2f}"
                   + (f", measured τ {result.measured_tau:.2f} (greedy, held-out prompts)" if result.measured_tau else ""),
                   soft_wrap=True)  # fmt: skip
-    console.print(
-        f"checkpoint: {result.checkpoint}\nmetrics:    {result.out / 'metrics.jsonl'}\ncurve:      {result.curve}",
-        soft_wrap=True,
-    )
+    console.print(f"checkpoint: {result.checkpoint}\nmetrics:    {result.out / 'metrics.jsonl'}"
+                  + (f"\ncurve:      {result.curve}" if result.curve else ""), soft_wrap=True)  # fmt: skip
     return 0
 
 
@@ -111,11 +114,9 @@ def preflight(cfg, resume: bool = False) -> None:
     if specs:
         resolve_sources(specs)  # a missing file or an empty glob: a DataError naming the spec
     if resume:
-        from flashdraft.train.checkpoint import CheckpointManager
+        from flashdraft.train.loop import restart_without_checkpoint
 
-        out = Path(cfg.log.out)
-        if not CheckpointManager(out).checkpoints():
-            raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'} (nothing to resume)")
+        restart_without_checkpoint(Path(cfg.log.out), cfg)  # a missing OUT or another run's: an error, here
 
 
 def add_nproc_argument(p) -> None:

@@ -12,9 +12,13 @@ flashdraft/train/distributed.py; the loop calls it in a few places and is otherw
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
+import operator
+import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,12 +33,12 @@ from flashdraft.train.checkpoint import CheckpointManager
 from flashdraft.train.compile import compile_drafter, static_shapes
 from flashdraft.train.loss import dflash_loss
 from flashdraft.train.masks import attention_kind, drafter_mask
-from flashdraft.train.metrics import MetricsLogger, plot_training_curve
+from flashdraft.train.metrics import MetricsLogger, check_trackers, draw_training_curve
 from flashdraft.train.optim import build_optimizer, build_scheduler
+from flashdraft.train.peak_flops import Peak, describe, device_peak
 from flashdraft.train.stop import GracefulStop
 
 logger = logging.getLogger(__name__)
-PEAK_FLOPS = {"cuda": 790e12}  # measured bf16 matmul rate of an H200 (DESIGN.md); MFU is not reported elsewhere
 
 
 class TrainingError(RuntimeError):
@@ -64,19 +68,26 @@ class Setup:
     total_steps: int
     features: object = None  # FeatureStore when training offline (data.features): read instead of the target
     full_target: object = None  # the untruncated target, loaded on the first real-τ measurement
+    peak: Peak | None = None  # dense bf16 rate of one device, for MFU (None: unknown, or a CPU)
 
 
 def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
     out = Path(cfg.log.out)
+    check_trackers(cfg.log.trackers)  # before minutes of loading
+    # Decided before config.json is written: it is what tells this run's OUT from another run's.
+    restart = resume and restart_without_checkpoint(out, cfg)
     out.mkdir(parents=True, exist_ok=True)
     if distributed.world().is_main:
-        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+        _write_atomically(out / "config.json", json.dumps(to_dict(cfg), indent=1))
     s = setup(cfg, out, console)
     optimizer = build_optimizer(s.drafter.parameters(), cfg.optim, s.device)
     scheduler = build_scheduler(optimizer, cfg.optim, s.total_steps)
     checkpoints = CheckpointManager(out, keep=cfg.log.keep_checkpoints)
     start, latest = 0, None
-    if resume:
+    if restart:
+        logger.warning("--resume: %s holds this run's config but no checkpoint yet (it stopped before the first); "
+                       "starting from step 0, the steps it logged are dropped", out)  # fmt: skip
+    elif resume:
         latest = checkpoints.latest()
         if latest is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint in {out / 'checkpoints'}")
@@ -87,7 +98,11 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
                             enabled=distributed.world().is_main)  # fmt: skip
     # The checkpoint resumed from, not a second latest(): that would hash every checkpoint again and repeat the
     # warning about each damaged one it skips.
-    window, last_ckpt, timer = None, latest, _Timer(s.device)
+    last_ckpt, timer = latest, _Timer(s.device)
+    # Loss, accuracy and τ of a log line are over the last log.every steps: the line after a run's last full window
+    # (a run that does not end on a multiple of log.every, or a stop) reaches back into the window before it rather
+    # than report one or two steps' worth of sequences.
+    window: deque = deque(maxlen=cfg.log.every)
     skipped, stopped_by = 0, None
     with metrics.progress(), GracefulStop() as stop:
         metrics.advance(start)
@@ -101,19 +116,19 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
                 skipped += 1
                 logger.warning("step %d: non-finite loss or gradient, update skipped (%d so far)", step + 1, skipped)
             scheduler.step()
-            window = stats if window is None else window + stats
-            timer.add(tokens)
+            window.append(stats)
+            timer.add(tokens, stats.valid.sum())
             metrics.advance()
             done = step + 1
             # A stop logs the steps since the last log line too, so none is lost from the metrics.
             halt = stop.requested(s.device)
             if done % cfg.log.every == 0 or done == s.total_steps or halt:
-                row = summarize(window, timer.take(), s, scheduler.get_last_lr()[0]) | {"skipped": skipped}
+                row = summarize(functools.reduce(operator.add, window), timer.take(), s, scheduler.get_last_lr()[0])
+                row["skipped"] = skipped
                 if cfg.log.eval_every and done % cfg.log.eval_every == 0 and done < s.total_steps and not halt:
                     row["tau"] = _periodic_tau(cfg, s)
                     timer.take()  # decoding time is not training throughput
                 metrics.log(done, row)
-                window = None
             if done % cfg.log.checkpoint_every == 0 or done == s.total_steps or halt:
                 last_ckpt = checkpoints.save(done, s.drafter, optimizer, scheduler, {"step": done})
             if halt:
@@ -125,7 +140,7 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
     if stopped_by is not None:
         # No final τ measurement: a stopped job should leave within its grace period.
         main = distributed.world().is_main  # the stop logged a metrics row (above)
-        curve = plot_training_curve(out / "metrics.jsonl", out / "training_curve.png") if main else None
+        curve = draw_training_curve(out / "metrics.jsonl", out / "training_curve.png") if main else None
         return TrainResult(out, done, float("nan"), float("nan"), None, last_ckpt, curve, stopped_by)
     # Decoding (the measured τ) and the report are rank 0's, on a plain copy of the (sharded) drafter.
     s.drafter = distributed.gather_drafter(s.drafter)
@@ -133,8 +148,52 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
         return TrainResult(out, s.total_steps, float("nan"), float("nan"), None, last_ckpt, None)
     final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()][-1]
     measured = measure_tau(cfg, s, out / "measured_tau.json")
-    curve = plot_training_curve(out / "metrics.jsonl", out / "training_curve.png", final_tau=measured)
+    curve = draw_training_curve(out / "metrics.jsonl", out / "training_curve.png", final_tau=measured)
     return TrainResult(out, s.total_steps, final["loss"], final["sim_tau"], measured, last_ckpt, curve)
+
+
+def restart_without_checkpoint(out: Path, cfg: RunConfig) -> bool:
+    """Whether `--resume` starts from step 0: OUT has no checkpoint yet but this same run's config.json (a job
+    stopped before its first checkpoint, restarted with its command line). False when OUT has a checkpoint; a
+    FileNotFoundError naming the difference when OUT has neither, or another run's config."""
+    if CheckpointManager(out).checkpoints():
+        return False
+    saved = out / "config.json"
+    if not saved.is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'} and no run started in {out} "
+                                "(nothing to resume)")  # fmt: skip
+    try:
+        before = json.loads(saved.read_text())
+    except (OSError, ValueError) as exc:
+        raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'}, and {saved} is unreadable "
+                                f"({exc})") from None  # fmt: skip
+    difference = _first_difference(json.loads(json.dumps(to_dict(cfg))), before)
+    if difference is not None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'}, and {saved} is another run's "
+                                f"config ({difference}): give this run another --out, or drop --resume to start it "
+                                "over there")  # fmt: skip
+    return True
+
+
+def _first_difference(now, before, prefix: str = "") -> str | None:
+    """'train.max_steps: 8 now, 6 there' for the first key whose value differs; None when equal."""
+    if isinstance(now, dict) and isinstance(before, dict):
+        for key in dict.fromkeys([*now, *before]):
+            name = f"{prefix}.{key}" if prefix else str(key)
+            if key not in now or key not in before:
+                return (f"{name}: {repr(now[key]) if key in now else 'missing'} now, "
+                        f"{repr(before[key]) if key in before else 'missing'} there")  # fmt: skip
+            if (found := _first_difference(now[key], before[key], name)) is not None:
+                return found
+        return None
+    return None if now == before else f"{prefix}: {now!r} now, {before!r} there"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Other ranks may read the file meanwhile (`restart_without_checkpoint`): never a half-written one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
@@ -264,27 +323,30 @@ def _autocast(device: torch.device):
 
 
 class _Timer:
+    """Sequence tokens, labelled (drafted) positions and seconds since the last `take`."""
+
     def __init__(self, device: torch.device):
-        self.device, self.tokens, self.start = device, 0, time.perf_counter()
+        self.device, self.tokens, self.drafted, self.start = device, 0, 0, time.perf_counter()
 
-    def add(self, tokens: int) -> None:
+    def add(self, tokens: int, drafted) -> None:
         self.tokens += tokens
+        self.drafted = self.drafted + drafted  # a device tensor: read at `take`, not one host sync per step
 
-    def take(self) -> tuple[int, float]:
+    def take(self) -> tuple[int, int, float]:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         now = time.perf_counter()
-        out = (self.tokens, now - self.start)
-        self.tokens, self.start = 0, now
+        out = (self.tokens, int(self.drafted), now - self.start)
+        self.tokens, self.drafted, self.start = 0, 0, now
         return out
 
 
-def summarize(stats, timing: tuple[int, float], s: Setup, lr: float) -> dict:
-    tokens, seconds = timing
+def summarize(stats, timing: tuple[int, int, float], s: Setup, lr: float) -> dict:
+    """A metrics row: loss, accuracy and τ of `stats` (summed over the steps of a log window: token-weighted means
+    over it); speed and MFU of `timing` (sequence tokens, drafted positions, seconds since the last row). "mfu" is
+    None on a GPU of unknown peak, absent on a CPU."""
+    tokens, drafted, seconds = timing
     acc = stats.accuracy()
-    drafted = int(stats.valid.sum())
-    flops = step_flops(s, tokens, int(stats.valid.sum()))
-    peak = PEAK_FLOPS.get(s.device.type, 0) * distributed.world().size  # tokens and FLOPs are the global step's
     row = {
         "loss": float(stats.loss_sum / stats.weight_sum.clamp(min=1e-12)),
         "sim_tau": float(stats.tau()),
@@ -292,15 +354,21 @@ def summarize(stats, timing: tuple[int, float], s: Setup, lr: float) -> dict:
         "acc": [round(float(a), 4) for a in acc],
         "tok_s": tokens / seconds,
         "draft_tok_s": drafted / seconds,
-        "mfu": flops / seconds / peak if peak else None,
         "mem_gib": torch.cuda.max_memory_allocated() / 2**30 if s.device.type == "cuda" else None,
         "lr": lr,
     }
+    if s.device.type == "cuda":
+        # Tokens and positions are every rank's (the global steps'): against every rank's peak.
+        peak = s.peak.flops * distributed.world().size if s.peak else None
+        row["mfu"] = step_flops(s, tokens, drafted) / seconds / peak if peak else None
     return row
 
 
 def step_flops(s: Setup, seq_tokens: int, labelled: int) -> float:
-    """DESIGN.md's cost model: target forward up to the last captured layer, drafter fwd+bwd, LM-head loss."""
+    """FLOPs of a training step (the cost model MFU is measured with; attention excluded): 2 x params for the target
+    forward up to the last captured layer over the sequence tokens, 6 x params for the drafter's forward and backward
+    (fc over the sequence tokens, the rest over the block positions), 4 x vocab x width for the LM-head loss (its
+    forward and input gradient) over the labelled positions."""
     target_params = sum(
         p.numel() for n, p in s.target.model.named_parameters() if "embed" not in n and "lm_head" not in n
     )
@@ -326,7 +394,10 @@ def setup(cfg: RunConfig, out: Path, console) -> Setup:
     total = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps is not None:
         total = min(total, cfg.train.max_steps)
-    return Setup(device, tokenizer, target, drafter, data, steps_per_epoch, total, features)
+    peak = device_peak(device, cfg.train.peak_tflops)
+    if (line := describe(device, peak)) is not None and distributed.world().is_main:
+        logger.info("%s", line)
+    return Setup(device, tokenizer, target, drafter, data, steps_per_epoch, total, features, peak=peak)
 
 
 def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = None):
@@ -335,6 +406,7 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
     Offline (`data.features` set, unless `offline=False`): the features are read from there and the target is only
     its config, embedding and LM head, saved beside them; features is None otherwise.
     """
+    from rich import get_console
     from transformers.utils import logging as hf_logging
 
     from flashdraft.data import FormatConfig, PrepareConfig, TokenizedDataset, prepare_shards
@@ -380,7 +452,7 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
             PrepareConfig(data=sources, tokenizer=tokenizer_path, out=cfg.data.shards or str(out / "shards"),
                           format=FormatConfig(format=cfg.data.format, drop_thinking=cfg.data.drop_thinking),
                           max_length=cfg.data.max_length, overlong=cfg.data.overlong, skip_bad=cfg.data.skip_bad,
-                          s3=cfg.s3),
+                          s3=cfg.s3, progress=(console or get_console()).is_terminal),  # a bar in a log file: a torn line
             tokenizer=tokenizer, console=console,
         )  # fmt: skip
     data = TokenizedDataset(prepared.path)

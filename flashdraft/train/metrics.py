@@ -17,11 +17,19 @@ run starts the file empty; a resumed run (`resume_from_step=S`) first drops the 
 ends up equal to an uninterrupted run's.
 
 The console line knows these keys (all optional; None is skipped): loss, sim_tau, acc (per-position accuracy,
-acc@1 shown), tok_s, draft_tok_s, mfu (a fraction), mem_gib, grad_norm, lr. Every key goes to the JSON line.
+acc@1 shown), tok_s, draft_tok_s, mfu (a fraction; None is shown as "MFU –", unknown), mem_gib, grad_norm, lr. Every
+key goes to the JSON line. The line is printed whole, never wrapped at the console's width, so a log file or a pipe
+holds one line per log step; the progress bar is drawn only on a terminal.
 
-Trackers, each used only when named in `log.trackers` and installed: "wandb" (project $WANDB_PROJECT or
-"flashdraft"; wandb itself reads WANDB_MODE, WANDB_DIR, ...), "tensorboard" (SummaryWriter in OUT/tb), "trackio"
-(project $TRACKIO_PROJECT or "flashdraft"). They receive the run config through `redact`, never environment values.
+Trackers, each used only when named in `log.trackers`: "wandb" (project $WANDB_PROJECT or "flashdraft"; wandb
+itself reads WANDB_MODE, WANDB_DIR, ...), "tensorboard" (SummaryWriter in OUT/tb), "trackio" (project
+$TRACKIO_PROJECT or "flashdraft"). They receive the run config through `redact`, never environment values. A named
+tracker that is not installed is a config error (`check_trackers`, before anything loads): whoever names one wants
+that run's dashboard, and a run of hours that quietly went without it is found out only when it is too late. One
+that is installed but fails to start or to log (no login, no network) is dropped with a warning; training goes on.
+
+The curve needs matplotlib (`pip install 'flashdraft[plot]'`): `draw_training_curve` says in one line that it was
+not drawn, and how to get it, where `plot_training_curve` raises.
 """
 
 from __future__ import annotations
@@ -44,6 +52,26 @@ logger = logging.getLogger(__name__)
 
 TRACKERS = ("wandb", "tensorboard", "trackio")
 REDACTED = "<redacted>"
+PLOT_EXTRA = "pip install 'flashdraft[plot]'"
+
+
+def check_trackers(names: list[str] | tuple[str, ...], installed: bool = True) -> None:
+    """Raise ValueError naming `log.trackers` for a tracker that is unknown or (`installed`) not installed."""
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown:
+        raise ValueError(f"log.trackers: unknown tracker {unknown[0]!r}; valid: {', '.join(TRACKERS)}")
+    for name in names if installed else ():
+        package = _TRACKER_CLASSES[name][1]
+        if not _installed(package):
+            raise ValueError(f"log.trackers: {name!r} is not installed: pip install {package} (or remove {name!r} "
+                             "from log.trackers)")  # fmt: skip
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a broken install, or a module set to None in sys.modules
+        return False
 
 
 class MetricsLogger:
@@ -60,10 +88,9 @@ class MetricsLogger:
         console: Console | None = None,
         resume_from_step: int | None = None,
     ) -> None:
-        # Checked on every rank: a misspelt tracker is a config error wherever it is read.
-        unknown = [name for name in trackers if name not in TRACKERS]
-        if unknown:
-            raise ValueError(f"log.trackers: unknown tracker {unknown[0]!r}; valid: {', '.join(TRACKERS)}")
+        # Names are checked on every rank (a misspelt tracker is a config error wherever it is read), the packages
+        # where the trackers run.
+        check_trackers(trackers, installed=enabled)
         self.enabled = enabled
         self.total_steps = total_steps
         self.latest: dict = {}
@@ -96,7 +123,8 @@ class MetricsLogger:
         self._file.flush()
         os.fsync(self._file.fileno())
         self.latest = values
-        self.console.print(format_line(step, values, total_steps=self.total_steps), markup=False, highlight=False)
+        self.console.print(format_line(step, values, total_steps=self.total_steps), markup=False, highlight=False,
+                           soft_wrap=True)  # fmt: skip
         if self._progress is not None:
             self._progress.update(self._task, stats=_bar_stats(values))
         scalars = _flatten_scalars(values)
@@ -112,8 +140,9 @@ class MetricsLogger:
 
     @contextlib.contextmanager
     def progress(self) -> Iterator[MetricsLogger]:
-        """A progress bar over `total_steps` showing the latest loss, sim_tau and tok/s; move it with `advance`."""
-        if not self.enabled:
+        """A progress bar over `total_steps` showing the latest loss, sim_tau and tok/s; move it with `advance`.
+        Only on a terminal: in a file or a pipe the log lines say it all, one per log step."""
+        if not self.enabled or not self.console.is_terminal:
             yield self
             return
         bar = Progress(
@@ -191,6 +220,8 @@ def format_line(step: int, metrics: Mapping[str, Any], total_steps: int | None =
         parts.append(f"{_si(draft)} draft tok/s")
     if (mfu := get("mfu")) is not None:
         parts.append(f"MFU {100 * mfu:.1f}%")
+    elif "mfu" in metrics:
+        parts.append("MFU –")  # a GPU whose peak rate is unknown
     if (mem := get("mem_gib")) is not None:
         parts.append(f"mem {mem:.1f} GiB")
     if (gnorm := get("grad_norm")) is not None:
@@ -425,11 +456,7 @@ _TRACKER_CLASSES = {
 
 
 def _open_tracker(name: str, out: Path, config: dict, resume_from_step: int | None) -> _Tracker | None:
-    cls, package = _TRACKER_CLASSES[name]
-    if importlib.util.find_spec(package) is None:
-        logger.warning("tracker %r is named in log.trackers but not installed (pip install %s); training continues "
-                       "without it", name, package)  # fmt: skip
-        return None
+    cls, _ = _TRACKER_CLASSES[name]
     try:
         return cls(out, config, resume_from_step)
     except Exception as exc:
@@ -442,18 +469,50 @@ def _open_tracker(name: str, out: Path, config: dict, resume_from_step: int | No
 # ---- plot -------------------------------------------------------------------------------------------------------
 
 
+def trend_reach(points: int) -> int:
+    """How many log windows on each side a curve's trend averages over: a twentieth of the run, at least 1; 0 (no
+    trend) below 10 points."""
+    return max(1, points // 20) if points >= 10 else 0
+
+
+def centered_mean(values: list[float], reach: int) -> list[float]:
+    """At each point, the mean of the values up to `reach` points before and after it (fewer at the ends): a trend
+    that does not lag behind the curve as a trailing mean would."""
+    return [
+        sum(values[max(0, i - reach) : i + reach + 1]) / len(values[max(0, i - reach) : i + reach + 1])
+        for i in range(len(values))
+    ]
+
+
+def draw_training_curve(
+    metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike, final_tau: float | None = None
+) -> Path | None:
+    """`plot_training_curve`, or None and one warning line saying how to get the curve when matplotlib is missing
+    (the curve is an extra: the run itself succeeded)."""
+    try:
+        return plot_training_curve(metrics_jsonl, out_png, final_tau)
+    except ImportError:
+        logger.warning("training curve not drawn: matplotlib is not installed (%s to get it; every value is in %s)",
+                       PLOT_EXTRA, metrics_jsonl)  # fmt: skip
+        return None
+
+
 def plot_training_curve(
     metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike, final_tau: float | None = None
 ) -> Path:
     """Loss (left axis) and simulated tau (right axis) against step, with the measured tau of the periodic
-    evaluations and `final_tau` (the end-of-run measurement) at the last step; final values in the title; returns
-    the PNG."""
+    evaluations and `final_tau` (the end-of-run measurement) at the last step; returns the PNG.
+
+    Each logged value is a mean over one log window, and windows differ in what they read (an easy stretch of data,
+    a hard one): with 10 or more of them, the values are drawn faint and a trend over them bold (`centered_mean`
+    over 2 x `trend_reach` + 1 windows), and the title says where the trend starts and ends.
+    """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        raise ImportError("plot_training_curve needs matplotlib: pip install 'flashdraft[plot]'") from None
+        raise ImportError(f"plot_training_curve needs matplotlib: {PLOT_EXTRA}") from None
     records = read_metrics(metrics_jsonl)
 
     def series(key):
@@ -471,10 +530,22 @@ def plot_training_curve(
     fig = Figure(figsize=(8, 4.5), dpi=120, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
+    tau_ax = ax.twinx()
     marker = "o" if max(len(loss), len(tau)) <= 40 else None
-    lines = []
-    if loss:
-        lines += ax.plot(loss_steps, loss, color="tab:blue", marker=marker, markersize=4, label="loss")
+    reach = trend_reach(max(len(loss), len(tau)))
+    lines, summary = [], []
+    curves = ((ax, loss_steps, loss, "tab:blue", "loss", 3), (tau_ax, tau_steps, tau, "tab:orange", "simulated tau", 2))
+    for axis, steps, values, color, name, digits in curves:
+        if not values:
+            continue
+        if not reach:
+            lines += axis.plot(steps, values, color=color, marker=marker, markersize=4, label=name)
+            summary.append(f"{name} {values[-1]:.{digits}f}")
+            continue
+        axis.plot(steps, values, color=color, alpha=0.35, linewidth=1, marker=marker, markersize=2.5)
+        smooth = centered_mean(values, reach)
+        lines += axis.plot(steps, smooth, color=color, linewidth=2.2, label=name)
+        summary.append(f"{name} {smooth[0]:.{digits}f} → {smooth[-1]:.{digits}f}")
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if len(set(loss_steps + tau_steps)) == 1:
@@ -483,9 +554,6 @@ def plot_training_curve(
     ax.set_ylabel("loss", color="tab:blue")
     ax.tick_params(axis="y", labelcolor="tab:blue")
     ax.grid(alpha=0.3)
-    tau_ax = ax.twinx()
-    if tau:
-        lines += tau_ax.plot(tau_steps, tau, color="tab:orange", marker=marker, markersize=4, label="simulated tau")
     if real:
         lines += tau_ax.plot(real_steps, real, color="tab:red", marker="s", markersize=5, linestyle="--",
                              label="measured tau (decoding)")  # fmt: skip
@@ -493,15 +561,13 @@ def plot_training_curve(
     tau_ax.tick_params(axis="y", labelcolor="tab:orange")
     # Below the axes: inside, it would cover one of the two curves.
     fig.legend(lines, [line.get_label() for line in lines], loc="outside lower center", ncols=len(lines))
-    final = []
-    if loss:
-        final.append(f"loss {loss[-1]:.3f}")
-    if tau:
-        final.append(f"simulated tau {tau[-1]:.2f}")
+    if reach:
+        ax.text(0.01, 0.01, f"faint: each log window; bold: mean of {2 * reach + 1} windows", transform=ax.transAxes,
+                fontsize=7, color="dimgray")  # fmt: skip
     if final_tau is not None and math.isfinite(final_tau):
-        final.append(f"measured tau {final_tau:.2f}")
+        summary.append(f"measured tau {final_tau:.2f}")
     last = max(loss_steps[-1:] + tau_steps[-1:])
-    ax.set_title(f"Drafter training, step {last}: {', '.join(final)}")
+    ax.set_title(f"Drafter training, {last} steps: {', '.join(summary)}", fontsize=10)
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_png.with_name(f".{out_png.name}.tmp")

@@ -14,7 +14,7 @@ HIDDEN = 64  # tiny_config's hidden size
 
 
 def qwen35_27b_config() -> Qwen3_5Config:
-    """The Qwen3.5-27B config (DESIGN.md), multimodal wrapper included; no weights."""
+    """The Qwen3.5-27B config (its config.json on the Hub), multimodal wrapper included; no weights."""
     text = Qwen3_5TextConfig(
         vocab_size=248320,
         hidden_size=5120,

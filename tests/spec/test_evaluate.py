@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import sys
 
 import pytest
 import torch
@@ -209,3 +210,19 @@ def test_no_arguments_evaluates_the_embedded_default(tmp_path, monkeypatch):
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["target"] == "embedded" and report["drafter"].endswith("step_00000002/drafter")
     assert report["num_prompts"] == 1 and report["tau"] >= 1
+
+
+def test_plot_without_matplotlib_is_refused_before_the_models_load(capsys, tmp_path, monkeypatch):
+    from flashdraft import cli
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    # Models that do not exist: had the check come after loading them, the error would name them instead.
+    code = cli.main(["eval", "--target", str(tmp_path / "no-target"), "--drafter", str(tmp_path / "no-drafter"),
+                     "--prompts", str(prompts), "--plot", str(tmp_path / "eval.png")])  # fmt: skip
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "flashdraft eval: error: --plot needs matplotlib: pip install 'flashdraft[plot]', or leave out --plot"
+    ]

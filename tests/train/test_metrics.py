@@ -15,18 +15,21 @@ from rich.console import Console
 
 from flashdraft.train.metrics import (
     MetricsLogger,
+    centered_mean,
+    draw_training_curve,
     format_line,
     is_secret_key,
     plot_training_curve,
     read_metrics,
     redact,
+    trend_reach,
 )
 
 LOGGER = "flashdraft.train.metrics"
 
 
-def console():
-    return Console(file=io.StringIO(), width=200, force_terminal=False)
+def console(width=200, terminal=False):
+    return Console(file=io.StringIO(), width=width, force_terminal=terminal)
 
 
 def row(step, **extra):
@@ -66,10 +69,38 @@ def test_format_line():
         "step 120/600 | loss 3.214 | sim_tau 1.83 | acc@1 0.41 | 12.3K tok/s | 45.2K draft tok/s | MFU 31.2% | "
         "mem 12.1 GiB | lr 5.8e-4"
     )
-    assert format_line(7, {"loss": 2.0, "mfu": None, "mem_gib": None, "tok_s": 950.0, "grad_norm": 0.5}) == (
+    assert format_line(7, {"loss": 2.0, "mem_gib": None, "tok_s": 950.0, "grad_norm": 0.5}) == (
         "step 7 | loss 2.000 | 950 tok/s | gnorm 0.50"
     )
     assert format_line(1, {"tok_s": 2.5e6, "lr": 0.0}) == "step 1 | 2.5M tok/s | lr 0.0e0"
+    # A GPU of unknown peak: MFU shown as unknown, not left out (and never made up).
+    assert format_line(3, {"tok_s": 950.0, "mfu": None}) == "step 3 | 950 tok/s | MFU –"
+
+
+def test_piped_output_has_one_whole_line_per_log_step_and_no_bar(tmp_path):
+    out = console(width=80)  # what rich assumes for a file or a pipe
+    metrics = MetricsLogger(tmp_path, total_steps=20, console=out)
+    wide = {**row(10), "draft_tok_s": 45_210.0, "mfu": 0.3121, "mem_gib": 12.14, "grad_norm": 0.5, "lr": 5.8e-4}
+    with metrics.progress():
+        metrics.advance(10)
+        metrics.log(10, wide)
+        metrics.advance(10)
+        metrics.log(20, {**wide, "loss": 2.5})
+    metrics.close()
+    printed = out.file.getvalue().splitlines()
+    assert printed == [format_line(10, {"step": 10, **wide}, total_steps=20),
+                       format_line(20, {"step": 20, **wide, "loss": 2.5}, total_steps=20)]  # fmt: skip
+    assert len(printed[0]) > 80  # so it would have wrapped
+
+
+def test_the_bar_is_drawn_on_a_terminal(tmp_path):
+    out = console(terminal=True)
+    metrics = MetricsLogger(tmp_path, total_steps=10, console=out)
+    with metrics.progress():
+        metrics.advance(5)
+        assert metrics._progress is not None
+    metrics.close()
+    assert "5/10" in out.file.getvalue()
 
 
 def test_resume_drops_lines_after_the_checkpoint(tmp_path):
@@ -107,7 +138,7 @@ def test_disabled_logger_does_nothing(tmp_path):
 
 
 def test_progress_bar_tracks_steps_and_latest_values(tmp_path):
-    metrics = MetricsLogger(tmp_path, total_steps=10, console=console())
+    metrics = MetricsLogger(tmp_path, total_steps=10, console=console(terminal=True))
     with metrics.progress():
         metrics.advance(4)  # a resumed run's jump
         for step in (5, 6):
@@ -130,15 +161,22 @@ def test_unknown_tracker_is_an_error_naming_the_valid_ones(tmp_path):
         MetricsLogger(tmp_path, total_steps=1, trackers=["mlflow"], enabled=False)
 
 
-def test_missing_tracker_warns_and_training_continues(tmp_path, caplog, monkeypatch):
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real_find_spec(name, *a)
-    )
+@pytest.mark.parametrize("name, package", [("wandb", "wandb"), ("tensorboard", "tensorboard"), ("trackio", "trackio")])
+def test_a_named_tracker_that_is_not_installed_is_a_config_error(tmp_path, monkeypatch, name, package):
+    monkeypatch.setitem(sys.modules, package, None)  # how Python marks a module that cannot be imported
+    with pytest.raises(ValueError, match=f"log.trackers: '{name}' is not installed: pip install {package} "):
+        MetricsLogger(tmp_path / "run", total_steps=2, trackers=[name], console=console())
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_a_tracker_that_fails_to_start_warns_and_training_continues(tmp_path, caplog, monkeypatch):
+    fake = FakeWandb()
+    fake.init = lambda **kwargs: (_ for _ in ()).throw(PermissionError("not logged in"))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         with MetricsLogger(tmp_path, total_steps=2, trackers=["wandb"], console=console()) as metrics:
             metrics.log(1, row(1))
-    assert "tracker 'wandb' is named in log.trackers but not installed (pip install wandb)" in caplog.text
+    assert "tracker 'wandb' did not start (PermissionError: not logged in); training continues" in caplog.text
     assert len(lines(tmp_path / "metrics.jsonl")) == 1
 
 
@@ -243,6 +281,7 @@ def test_redact_nested_config_without_touching_the_original():
 
 @pytest.mark.parametrize("steps", [[10], list(range(10, 610, 10))])
 def test_plot_training_curve_writes_a_png(tmp_path, steps):
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
     with MetricsLogger(tmp_path, total_steps=steps[-1], console=console()) as metrics:
         for step in steps:
             metrics.log(
@@ -254,13 +293,41 @@ def test_plot_training_curve_writes_a_png(tmp_path, steps):
     assert not list(png.parent.glob(".*"))
 
 
+def test_without_matplotlib_the_curve_is_skipped_with_one_line_saying_how_to_get_it(tmp_path, monkeypatch, caplog):
+    with MetricsLogger(tmp_path, total_steps=10, console=console()) as metrics:
+        metrics.log(10, row(10))
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'flashdraft\[plot\]'"):
+        plot_training_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png")
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert draw_training_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png") is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "training curve not drawn: matplotlib is not installed (pip install 'flashdraft[plot]' to get it; every "
+        f"value is in {tmp_path / 'metrics.jsonl'})"
+    ]
+    assert not (tmp_path / "curve.png").exists()
+
+
+def test_the_curves_trend_is_a_centered_mean_of_the_log_windows():
+    values = torch.randn(37, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).tolist()
+    for reach in (1, 3):
+        # Reference: each point's neighbourhood, clipped at the ends, averaged by torch.
+        near = [values[max(0, i - reach) : min(len(values), i + reach + 1)] for i in range(len(values))]
+        want = [torch.tensor(v, dtype=torch.float64).mean().item() for v in near]
+        assert centered_mean(values, reach) == pytest.approx(want, rel=1e-12)
+    assert [trend_reach(n) for n in (1, 9, 10, 19, 40, 100)] == [0, 0, 1, 1, 2, 5]
+
+
 def test_plot_of_an_empty_log_says_so(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="no logged step has a loss or sim_tau"):
         plot_training_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png")
 
 
 def test_plot_draws_the_final_measured_tau_and_ignores_a_nan(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
     with MetricsLogger(tmp_path, total_steps=30, console=console()) as metrics:
         for step in (10, 20, 30):
             metrics.log(step, {"loss": 4.0 - step / 20, "sim_tau": 1 + step / 30})

@@ -1,0 +1,114 @@
+"""The peak rate MFU is measured against comes from the GPU the run is on (mocked device names, SM counts)."""
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flashdraft.train import loop, peak_flops
+from flashdraft.train.metrics import format_line
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """`gpu(name, capability, sms)` makes torch report that GPU."""
+
+    def make(name: str, capability: tuple[int, int], sms: int) -> None:
+        props = SimpleNamespace(name=name, major=capability[0], minor=capability[1], multi_processor_count=sms)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "name, capability, sms, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", (9, 0), 132, 989.5),
+        ("NVIDIA H100 PCIe", (9, 0), 114, 756.0),
+        ("NVIDIA H100 NVL", (9, 0), 132, 835.5),
+        ("NVIDIA H200", (9, 0), 132, 790.0),  # measured in this project, not the datasheet's 989.5
+        ("NVIDIA H200 NVL", (9, 0), 132, 835.5),
+        ("NVIDIA H20", (9, 0), 78, 148.0),
+        ("NVIDIA H800", (9, 0), 132, 989.5),
+        ("NVIDIA GH200 480GB", (9, 0), 132, 989.5),
+        ("NVIDIA B200", (10, 0), 148, 2250.0),
+        ("NVIDIA B100", (10, 0), 132, 1750.0),
+        ("NVIDIA GB200", (10, 0), 152, 2500.0),
+        ("NVIDIA A100-SXM4-80GB", (8, 0), 108, 312.0),
+        ("NVIDIA A100 80GB PCIe", (8, 0), 108, 312.0),
+        ("NVIDIA A10", (8, 6), 72, 125.0),
+        ("NVIDIA L40S", (8, 9), 142, 362.05),
+        ("NVIDIA L40", (8, 9), 142, 181.05),
+        ("NVIDIA L4", (8, 9), 58, 121.0),
+        ("NVIDIA GeForce RTX 4090", (8, 9), 128, 165.2),
+    ],
+)
+def test_known_gpus_get_their_own_peak(gpu, name, capability, sms, tflops):
+    gpu(name, capability, sms)
+    peak = peak_flops.device_peak(CUDA)
+    assert peak is not None and peak.flops == tflops * 1e12
+    assert f"{tflops:g} TFLOP/s" in peak_flops.describe(CUDA, peak) and name in peak_flops.describe(CUDA, peak)
+
+
+@pytest.mark.parametrize(
+    "name, capability, sms",
+    [
+        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0), 188),  # not in the table
+        ("NVIDIA A10G", (8, 6), 80),  # a name that only starts like a known one
+        ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", (9, 0), 60),  # a slice of a known GPU: fewer SMs
+        ("NVIDIA GeForce RTX 4090 D", (8, 9), 114),  # another GPU under a known name
+        ("NVIDIA H200", (8, 0), 132),  # a name that disagrees with its capability
+    ],
+)
+def test_unknown_gpus_have_no_peak(gpu, name, capability, sms):
+    gpu(name, capability, sms)
+    assert peak_flops.device_peak(CUDA) is None
+    assert "MFU: unknown" in peak_flops.describe(CUDA, None) and "train.peak_tflops" in peak_flops.describe(CUDA, None)
+
+
+def test_the_h200_row_says_it_is_measured_and_keeps_the_datasheet_figure(gpu):
+    gpu("NVIDIA H200", (9, 0), 132)
+    peak = peak_flops.device_peak(CUDA)
+    assert "measured" in peak.source and "datasheet 989.5" in peak.source
+
+
+def test_a_given_peak_wins_and_a_cpu_has_none(gpu):
+    gpu("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0), 188)
+    assert peak_flops.device_peak(CUDA, override_tflops=500.0).flops == 500e12
+    assert peak_flops.device_peak(torch.device("cpu")) is None
+    assert peak_flops.describe(torch.device("cpu"), None) is None
+
+
+def _window_stats():
+    """LossStats of a log window: 3 of 4 positions right, on a drafter of block size 3."""
+    from flashdraft.drafter.recipe import LossStats
+
+    return LossStats(loss_sum=torch.tensor(8.0), weight_sum=torch.tensor(4.0), correct=torch.tensor([0, 2, 1]),
+                     valid=torch.tensor([0, 2, 2]), accepted=torch.tensor(3), blocks=torch.tensor(2))  # fmt: skip
+
+
+@pytest.mark.parametrize("peak, mfu", [(None, None), (peak_flops.Peak(1e9, "test"), 0.2)])
+def test_summarize_reports_mfu_against_the_devices_peak_or_unknown(monkeypatch, peak, mfu):
+    monkeypatch.setattr(loop, "step_flops", lambda s, tokens, labelled: 2e8 * (tokens == 100 and labelled == 4))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 2**30)
+    s = SimpleNamespace(device=CUDA, peak=peak)
+    row = loop.summarize(_window_stats(), (100, 4, 1.0), s, lr=1e-4)
+    assert row["mfu"] == mfu and row["loss"] == 2.0 and row["mem_gib"] == 1.0
+    assert ("MFU –" in format_line(1, row)) == (mfu is None)
+    cpu = loop.summarize(_window_stats(), (100, 4, 1.0), SimpleNamespace(device=torch.device("cpu"), peak=None), 1e-4)
+    assert "mfu" not in cpu and "MFU" not in format_line(1, cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_gpu_here_matches_its_row():
+    """On a GPU the table names, the name, capability and SM count it reports all agree with its row."""
+    name = torch.cuda.get_device_name()
+    if not any(re.search(gpu.name, name, re.IGNORECASE) for gpu in peak_flops.GPUS):
+        pytest.skip(f"{name} is not in the table")
+    peak = peak_flops.device_peak(CUDA)
+    assert peak is not None, (name, torch.cuda.get_device_capability(), torch.cuda.get_device_properties(CUDA))
