@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-# The moto S3 fixtures of tests/data (pytest imports that package as `data`, with tests/ on the path).
-from data.conftest import moto_server, no_aws, s3  # noqa: F401
-
 from flashdraft import embedded
 from flashdraft.config import load_config
 from flashdraft.features import FeatureStore, write_features
 from flashdraft.train import loop
+
+# The moto S3 fixtures of tests/data.
+from .data.conftest import moto_server, no_aws, s3  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 # batch_size 1: the online trainer then captures each sequence alone, exactly as the features command does.

@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from flashdraft import fastpath
-from flashdraft.fastpath.backends import FLA, FLASHDRAFT_TRITON, OPS, TORCH
-from flashdraft.fastpath.patch import GLOBALS, linear_attention_layers, modeling_module
+from flashdraft.fastpath.backends import FLA, FLASHDRAFT_TRITON, OPS, TORCH, hub_wrapped
+from flashdraft.fastpath.patch import (
+    GLOBALS,
+    is_patched,
+    linear_attention_layers,
+    modeling_module,
+    transformers_checks_devices,
+)
 from flashdraft.tiny_configs import HYBRID_FAMILIES, build_tiny_target
 
 CUDA = torch.cuda.is_available()
@@ -27,7 +33,7 @@ def _torch_only_logits(model, ids):
     saved = {n: getattr(module, n) for n in names}
     try:
         for n in names:
-            setattr(module, n, inspect.unwrap(saved[n]))
+            setattr(module, n, inspect.unwrap(hub_wrapped(saved[n])))
         with torch.no_grad():
             return model(ids).logits
     finally:
@@ -73,13 +79,40 @@ def test_strict_raises_with_layers_and_reason():
 
 @pytest.mark.skipif(CUDA, reason="documents the CPU hazard of transformers' import-time choice")
 def test_probe_without_enable_exposes_the_import_time_choice():
-    # transformers 5.15+ bound fla's kernels at import because fla imports; on a CPU they crash.
     model = build_tiny_target("qwen3_5", num_layers=4)
+    fastpath.disable(model)  # what transformers chose at import, whatever an earlier test's entry point patched
     report = fastpath.probe(model)
     assert not report.ok
-    assert "active drivers" in report.error
     chunk = report.layers[0].ops["chunk_gated_delta_rule"]
-    assert chunk.impl == f"error in {FLA}" and "active drivers" in chunk.reason
+    if transformers_checks_devices():
+        # 5.25+ sends CPU inputs to its torch reference itself, and the probe says so.
+        assert not report.error
+        assert chunk.impl == TORCH and "transformers' own device check" in chunk.reason and "cpu" in chunk.reason
+    else:
+        # 5.15-5.24 bound fla's kernels at import because fla imports; on a CPU they crash.
+        assert "active drivers" in report.error
+        assert chunk.impl == f"error in {FLA}" and "active drivers" in chunk.reason
+
+
+def test_ensure_patches_once_and_keeps_an_explicit_choice():
+    model = build_tiny_target("qwen3_5", num_layers=4)
+    fastpath.disable(model)
+    assert not is_patched(model)
+    try:
+        fastpath.ensure(model)
+        assert is_patched(model)
+        module = modeling_module(linear_attention_layers(model)[0][1])
+        installed = {name: getattr(module, name) for name in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")}
+        fastpath.ensure(model)  # a second call changes nothing
+        assert {name: getattr(module, name) for name in installed} == installed
+        fastpath.enable(model, strict=False, conv_backend="torch", run_probe=False)
+        chosen = module.causal_conv1d_fn
+        fastpath.ensure(model)  # ... and keeps what an explicit enable chose
+        assert module.causal_conv1d_fn is chosen is not installed["causal_conv1d_fn"]
+        conv = fastpath.probe(model).layers[0].ops["causal_conv1d_fn"]
+        assert conv.reason == "fallback: conv_backend='torch' requested"
+    finally:
+        fastpath.disable(model)
 
 
 def test_plain_target_has_no_linear_layers():
@@ -90,8 +123,10 @@ def test_plain_target_has_no_linear_layers():
 
 def test_disable_restores_transformers_choice():
     model = build_tiny_target("qwen3_5", num_layers=4)
+    fastpath.disable(model)
     module = modeling_module(linear_attention_layers(model)[0][1])
     before = module.torch_chunk_gated_delta_rule
+    assert not getattr(before, "__flashdraft_backend__", False)
     fastpath.enable(model, strict=False)
     assert module.torch_chunk_gated_delta_rule is not before
     fastpath.disable(model)

@@ -16,6 +16,7 @@ import torch
 from flashdraft import fastpath
 from flashdraft.fastpath.patch import linear_attention_layers
 from flashdraft.tiny_configs import build_tiny_target
+from flashdraft.versions import cache_kwargs
 
 VOCAB = 256
 MASK = VOCAB - 1
@@ -139,10 +140,10 @@ def reference_greedy(target, prompt: torch.Tensor, max_new_tokens: int, stop_tok
     cache = DynamicCache(config=target.config)
     out, ids = [], prompt.view(1, -1)
     for i in range(ids.shape[1] - 1):
-        target(ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+        target(ids[:, i : i + 1], use_cache=True, **cache_kwargs(cache))
     ids = ids[:, -1:]
     for _ in range(max_new_tokens):
-        token = int(target(ids, past_key_values=cache, use_cache=True).logits[0, -1].argmax())
+        token = int(target(ids, use_cache=True, **cache_kwargs(cache)).logits[0, -1].argmax())
         out.append(token)
         if token in stop_token_ids:
             break
