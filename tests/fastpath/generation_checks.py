@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from flashdraft import fastpath
-from flashdraft.fastpath.backends import TORCH, hub_wrapped
+from flashdraft.fastpath.backends import FLA, TORCH, hub_wrapped
 from flashdraft.fastpath.patch import (
     GLOBALS,
     INSTANCE,
@@ -28,6 +28,7 @@ from flashdraft.fastpath.patch import (
     modeling_module,
     transformers_checks_devices,
 )
+from flashdraft.fastpath.probe import describe
 from flashdraft.tiny_configs import HYBRID_FAMILIES, build_tiny_target
 from flashdraft.versions import cache_kwargs
 
@@ -42,6 +43,14 @@ _GLOBALS = (
 def expected_generation() -> str:
     """Layer attributes up to 5.14, module globals from 5.15 (see flashdraft/fastpath/patch.py)."""
     return INSTANCE if int(transformers.__version__.split(".")[1]) <= 14 else GLOBALS
+
+
+def binds_fla_at_import() -> bool | None:
+    """Whether transformers binds fla's kernels at import on a machine without a GPU: 5.14 asks for CUDA first (no);
+    5.15 and 5.16 look fla's ops up from its package root, where they are found only when `fla.ops` was imported
+    before the modeling module (None: either); 5.17+ import the submodule (yes)."""
+    minor = int(transformers.__version__.split(".")[1])
+    return None if minor in (15, 16) else minor >= 17
 
 
 @torch.no_grad()
@@ -71,11 +80,15 @@ def check_fast_path(family: str) -> None:
     untouched = fastpath.probe(model)
     assert untouched.generation == expected_generation(), untouched.generation
     assert not untouched.ok and len(untouched.layers) == 3, untouched
-    if untouched.generation == INSTANCE or transformers_checks_devices():
+    bound_fla = describe(getattr(module, "torch_chunk_gated_delta_rule", None))[0] == FLA
+    if binds_fla_at_import() is not None:
+        assert bound_fla == binds_fla_at_import(), transformers.__version__
+    if bound_fla and not transformers_checks_devices():
+        # 5.15-5.24 keep fla's kernels, chosen at import because fla imports; on a CPU they crash.
+        assert "active drivers" in untouched.error, untouched.error
+    else:
         assert not untouched.error, untouched.error
         assert all(u.impl == TORCH for layer in untouched.layers for u in layer.ops.values()), untouched
-    else:  # 5.15-5.24 keep fla's kernels, chosen at import because fla imports; on a CPU they crash
-        assert "active drivers" in untouched.error, untouched.error
 
     report = fastpath.enable(model, strict=False)
     assert report.generation == expected_generation() and not report.error, report

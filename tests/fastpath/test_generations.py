@@ -2,7 +2,7 @@
 
 The releases that changed what flashdraft relies on (found by diffing the qwen3_5, qwen3_5_moe and qwen3_next
 modeling files and cache_utils.py): 5.14 (kernels in layer attributes), 5.15 (module globals), 5.16 (cache
-`has_previous_state(state_idx)`), 5.21 (cache accessors `get_conv_state`, `is_recording_past`), 5.23 (q/k group
+`has_previous_state(state_idx)`), 5.17 (fla's kernels found whatever the import order), 5.21 (cache accessors `get_conv_state`, `is_recording_past`), 5.23 (q/k group
 repeat inside the rule functions; `DummyLayer`), 5.24 (`past_key_values` -> `cache`), 5.25 (`causal_conv1d_forward`,
 transformers' own device check, linear-attention token counts in the cache). generation_checks.py says what is
 checked.
