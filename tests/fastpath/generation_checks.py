@@ -12,37 +12,24 @@ makes it runnable, and the cache rollback is exact with this release's cache); t
 
 from __future__ import annotations
 
-import inspect
 import sys
 
 import torch
 import transformers
 
 from flashdraft import fastpath
-from flashdraft.fastpath.backends import FLA, TORCH, hub_wrapped
+from flashdraft.fastpath.backends import TORCH
 from flashdraft.fastpath.patch import (
-    GLOBALS,
     INSTANCE,
+    entry_points,
     is_patched,
     linear_attention_layers,
-    modeling_module,
     transformers_checks_devices,
 )
-from flashdraft.fastpath.probe import describe
 from flashdraft.tiny_configs import HYBRID_FAMILIES, build_tiny_target
 from flashdraft.versions import cache_kwargs
 
-_GLOBALS = (
-    "causal_conv1d_fn",
-    "causal_conv1d_update",
-    "torch_chunk_gated_delta_rule",
-    "torch_recurrent_gated_delta_rule",
-)
-
-
-def expected_generation() -> str:
-    """Layer attributes up to 5.14, module globals from 5.15 (see flashdraft/fastpath/patch.py)."""
-    return INSTANCE if int(transformers.__version__.split(".")[1]) <= 14 else GLOBALS
+from . import crashes_unpatched_on_cpu, expected_generation, torch_reference_logits
 
 
 def binds_fla_at_import() -> bool | None:
@@ -53,37 +40,25 @@ def binds_fla_at_import() -> bool | None:
     return None if minor in (15, 16) else minor >= 17
 
 
-@torch.no_grad()
-def torch_reference_logits(model, ids) -> torch.Tensor:
-    """Logits with transformers' own torch functions (undecorated) in the modeling module's globals."""
-    module = modeling_module(linear_attention_layers(model)[0][1])
-    if expected_generation() == INSTANCE:  # on a CPU, 5.14 chose its torch functions and nn.Conv1d at import
-        return model(ids).logits
-    saved = {name: getattr(module, name) for name in _GLOBALS}
-    try:
-        for name, fn in saved.items():
-            setattr(module, name, inspect.unwrap(hub_wrapped(fn)))
-        return model(ids).logits
-    finally:
-        for name, fn in saved.items():
-            setattr(module, name, fn)
+def lookups(model) -> dict[tuple[int, str], object]:
+    """What every linear-attention layer calls, keyed by (owner, name)."""
+    return {(id(owner), name): getattr(owner, name) for _, layer in linear_attention_layers(model)
+            for owner, name in entry_points(layer).values()}  # fmt: skip
 
 
 def check_fast_path(family: str) -> None:
     model = build_tiny_target(family, num_layers=4, seed=3)
     ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(4))
-    module = modeling_module(linear_attention_layers(model)[0][1])
-    before = {name: getattr(module, name, None) for name in _GLOBALS}
+    before = lookups(model)
     expected = torch_reference_logits(model, ids)
 
     # What transformers chose at import, per layer.
     untouched = fastpath.probe(model)
     assert untouched.generation == expected_generation(), untouched.generation
     assert not untouched.ok and len(untouched.layers) == 3, untouched
-    bound_fla = describe(getattr(module, "torch_chunk_gated_delta_rule", None))[0] == FLA
-    if binds_fla_at_import() is not None:
-        assert bound_fla == binds_fla_at_import(), transformers.__version__
-    if bound_fla and not transformers_checks_devices():
+    if binds_fla_at_import() is not None and not transformers_checks_devices():
+        assert crashes_unpatched_on_cpu(model) == binds_fla_at_import(), transformers.__version__
+    if crashes_unpatched_on_cpu(model):
         # 5.15-5.24 keep fla's kernels, chosen at import because fla imports; on a CPU they crash.
         assert "active drivers" in untouched.error, untouched.error
     else:
@@ -103,7 +78,7 @@ def check_fast_path(family: str) -> None:
 
     fastpath.disable(model)
     assert not is_patched(model)
-    assert {name: getattr(module, name, None) for name in _GLOBALS} == before
+    assert lookups(model) == before
     again = fastpath.probe(model)
     assert again.error == untouched.error
     assert [layer.ops for layer in again.layers] == [layer.ops for layer in untouched.layers]

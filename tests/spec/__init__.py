@@ -8,13 +8,13 @@ the textbook recurrence in the input's dtype) so that "exact" can mean ≤ 1e-10
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import pytest
 import torch
 
 from flashdraft import fastpath
-from flashdraft.fastpath.patch import linear_attention_layers
+from flashdraft.fastpath.backends import CHUNK_RULE, RECURRENT_RULE
+from flashdraft.fastpath.patch import entry_points, linear_attention_layers
 from flashdraft.tiny_configs import build_tiny_target
 from flashdraft.versions import cache_kwargs
 
@@ -73,12 +73,14 @@ def ready(*targets, exact: bool = True):
     hybrids = [t for t in targets if linear_attention_layers(t)]
     try:
         for target in hybrids:
-            module = sys.modules[type(linear_attention_layers(target)[0][1]).__module__]
             fastpath.enable(target, strict=False, run_probe=False)
             if exact and next(target.parameters()).dtype == torch.float64:
-                for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
-                    patched.append((module, name, getattr(module, name)))
-                    setattr(module, name, exact_delta_rule)
+                # Where the layers look the rules up: module globals (5.15+) or each layer's attributes (5.14).
+                for _, layer in linear_attention_layers(target):
+                    for op in (CHUNK_RULE, RECURRENT_RULE):
+                        owner, name = entry_points(layer)[op]
+                        patched.append((owner, name, getattr(owner, name)))
+                        setattr(owner, name, exact_delta_rule)
         yield targets
     finally:
         for module, name, fn in reversed(patched):
