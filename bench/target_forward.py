@@ -48,6 +48,7 @@ def run(num_layers: int = 16, batch: int = 4, seq: int = 4096) -> list[dict]:
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
 
     from flashdraft import fastpath
+    from flashdraft.fastpath.backends import hub_wrapped
 
     cfg = qwen35_27b_config(num_layers)
     torch.manual_seed(0)
@@ -55,7 +56,7 @@ def run(num_layers: int = 16, batch: int = 4, seq: int = 4096) -> list[dict]:
         model = mq.Qwen3_5ForCausalLM(cfg).to(torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
     saved = {n: getattr(mq, n) for n in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")}
-    torch_gdr = inspect.unwrap(saved["torch_chunk_gated_delta_rule"])
+    torch_gdr = inspect.unwrap(hub_wrapped(saved["torch_chunk_gated_delta_rule"]))  # the torch code, not fla's
     fla = fla_kernels()
     if fla is None:
         raise SystemExit("bench.target_forward compares against fla: install fla-core")

@@ -135,11 +135,14 @@ def free(*objs) -> None:
 def run_naive(model, d, seq, device, dtype, warmup, steps, flops) -> dict:
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
 
+    from flashdraft.fastpath.backends import hub_wrapped
+
     names = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
     saved = {n: getattr(mq, n) for n in names}
     kernels = fla_kernels() if device == "cuda" else None
     # Without fla (the CPU): transformers' own torch functions, as the anchor's fallback variant runs them.
-    mq.causal_conv1d_fn, mq.torch_chunk_gated_delta_rule = kernels or (inspect.unwrap(f) for f in saved.values())
+    torch_fns = (inspect.unwrap(hub_wrapped(f)) for f in saved.values())
+    mq.causal_conv1d_fn, mq.torch_chunk_gated_delta_rule = kernels or torch_fns
     variant = "naive (fla target)" if kernels is not None else "naive (torch target)"
     torch.manual_seed(1)
     default = torch.get_default_dtype()

@@ -42,6 +42,19 @@ def enable(
     return report
 
 
+def ensure(model: torch.nn.Module) -> None:
+    """Make `model` runnable on its device: patch its linear-attention layers unless they already are.
+
+    What every public entry point that takes a user's model calls (generation, the baselines, evaluation, target
+    capture, the engine). Without it, transformers 5.15-5.24 keep fla's kernels chosen at import, which crash on a
+    CPU. Idempotent and cheap once patched (no probe); an earlier `enable` (its conv backend) is kept.
+    """
+    from flashdraft.fastpath.patch import is_patched, patch_model
+
+    if not is_patched(model):
+        patch_model(model)
+
+
 def disable(model: torch.nn.Module) -> None:
     """Restore what transformers chose at import."""
     from flashdraft.fastpath.patch import unpatch_model
@@ -49,4 +62,4 @@ def disable(model: torch.nn.Module) -> None:
     unpatch_model(model)
 
 
-__all__ = ["FastPathError", "FastPathReport", "disable", "enable", "probe"]
+__all__ = ["FastPathError", "FastPathReport", "disable", "enable", "ensure", "probe"]

@@ -74,7 +74,12 @@ def fla_chunk_backward_problem() -> str:
         from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
     except Exception:  # an older or broken fla: nothing known against it here
         return ""
-    if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and importlib.util.find_spec("tilelang") is None:
+    if (
+        IS_NVIDIA_HOPPER
+        and TRITON_ABOVE_3_4_0
+        and not TRITON_ABOVE_3_7_1
+        and importlib.util.find_spec("tilelang") is None
+    ):
         return ("fallback: fla refuses the gated chunk backward on Hopper with Triton < 3.7.1 (fla #640); "
                 "Triton >= 3.7.1 or tilelang lifts this")  # fmt: skip
     return ""
@@ -94,8 +99,27 @@ class TorchFallbacks:
     recurrent_rule: Callable
 
 
+def hub_wrapped(fn):
+    """The function behind the `kernels` package's wrapper, or `fn` itself.
+
+    With a `kernels` release that transformers accepts installed, `use_kernel_forward_from_hub` turns each
+    decorated function into an `nn.Module` instance whose forward calls the function (a closure cell `func`).
+    """
+    if isinstance(fn, torch.nn.Module):
+        forward = type(fn).forward
+        names, cells = forward.__code__.co_freevars, forward.__closure__ or ()
+        if "func" in names:
+            return cells[names.index("func")].cell_contents
+    return fn
+
+
 def _unwrap(fn):
-    return inspect.unwrap(fn) if fn is not None else None
+    """The undecorated function: through the `kernels` wrapper, then every `functools.wraps` layer."""
+    return inspect.unwrap(hub_wrapped(fn)) if fn is not None else None
+
+
+def _is_decorated(fn) -> bool:
+    return fn is not None and getattr(hub_wrapped(fn), "__wrapped__", None) is not None
 
 
 def torch_fallbacks(module) -> TorchFallbacks:
@@ -106,7 +130,7 @@ def torch_fallbacks(module) -> TorchFallbacks:
     recurrent = _unwrap(module.torch_recurrent_gated_delta_rule)
     # 5.15+: the decorated functions wrap the torch code; 5.2-5.14 has no torch conv_fn (the layer calls nn.Conv1d).
     conv_fn = getattr(module, "causal_conv1d_fn", None)
-    conv_fn = _unwrap(conv_fn) if conv_fn is not None and getattr(conv_fn, "__wrapped__", None) else None
+    conv_fn = _unwrap(conv_fn) if _is_decorated(conv_fn) else None
     conv_update = getattr(module, "torch_causal_conv1d_update", None) or _unwrap(module.causal_conv1d_update)
     if conv_update is not None and not conv_update.__module__.startswith("transformers"):
         conv_update = None

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from flashdraft import versions
+
 OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
 
 
@@ -93,11 +95,23 @@ def check_gpu() -> Check:
     return Check("gpu", status, f"{name}, compute capability {major}.{minor}", fix)
 
 
+def _untested(dist: str, version: str) -> Check | None:
+    """A warning when `version` is newer than the newest release flashdraft was tested with."""
+    if versions.status(dist, version) != "untested":
+        return None
+    return Check(dist, WARN, f"{dist} {version} is newer than the releases flashdraft was tested with",
+                 f"if something fails, pip install '{dist}{versions.supported_range(dist)}' (tested)")  # fmt: skip
+
+
 def check_torch() -> Check:
     cuda = torch.version.cuda
     detail = f"torch {torch.__version__}, built for CUDA {cuda}" if cuda else f"torch {torch.__version__} (CPU build)"
     if cuda is None and torch.cuda.device_count() == 0 and shutil.which("nvidia-smi"):
         return Check("torch", FAIL, detail + " but an NVIDIA driver is present", "pip install a CUDA build of torch")
+    untested = _untested("torch", torch.__version__)
+    if untested is not None:
+        untested.detail = detail + "; newer than the releases flashdraft was tested with"
+        return untested
     return Check("torch", OK, detail)
 
 
@@ -118,7 +132,12 @@ def check_driver() -> Check:
 def check_triton() -> Check:
     version = _version("triton")
     if version is None:
-        return Check("triton", FAIL, "triton not installed", "pip install 'triton>=3.5,<3.7'")
+        return Check(
+            "triton", FAIL, "triton not installed", f"pip install 'triton{versions.supported_range('triton')}'"
+        )
+    untested = _untested("triton", version)
+    if untested is not None:
+        return untested
     if not torch.cuda.is_available():
         return Check("triton", INFO, f"triton {version}; no CUDA device to compile for", "")
     try:
@@ -132,7 +151,8 @@ def check_triton() -> Check:
                          "report this with `flashdraft doctor --json`")  # fmt: skip
     except Exception as exc:
         return Check("triton", FAIL, f"triton {version} cannot compile for this GPU: {type(exc).__name__}: {exc}",
-                     "install a triton matching your torch (pip install 'triton>=3.5,<3.7')")  # fmt: skip
+                     f"install the triton your torch was built with (pip install "
+                     f"'triton{versions.supported_range('triton')}')")  # fmt: skip
     return Check("triton", OK, f"triton {version} compiles and runs flashdraft's causal_conv1d on this GPU")
 
 
@@ -187,21 +207,28 @@ def check_causal_conv1d() -> Check:
 
 
 def transformers_generation(version: str) -> str:
+    """How a transformers release looks up the Gated DeltaNet kernels (see fastpath/patch.py)."""
+    status = versions.status("transformers", version)
+    if status == "too old":
+        return f"unsupported (flashdraft needs {versions.supported_range('transformers')})"
     major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", version).groups())
-    if (major, minor) < (5, 2):
-        return "unsupported (< 5.2)"
     if (major, minor) <= (5, 14):
-        return "5.2-5.14: kernels imported at module import; per-layer attributes"
-    return "5.15+: hub-kernel decorator resolves each function once at import; module globals"
+        gen = "5.2-5.14: kernels imported at module import; per-layer attributes"
+    elif (major, minor) < (5, 25):
+        gen = "5.15-5.24: hub-kernel decorator resolves each function once at import; module globals"
+    else:
+        gen = "5.25+: module globals, and transformers sends CPU inputs to its torch reference itself"
+    return gen + ("; newer than the releases flashdraft was tested with" if status == "untested" else "")
 
 
 def check_transformers() -> Check:
     import transformers
 
-    gen = transformers_generation(transformers.__version__)
-    status = FAIL if gen.startswith("unsupported") else OK
-    return Check("transformers", status, f"transformers {transformers.__version__} — {gen}",
-                 "pip install 'transformers>=5.14,<5.18' (tested)" if status == FAIL else "")  # fmt: skip
+    version = transformers.__version__
+    gen = transformers_generation(version)
+    status = {"too old": FAIL, "untested": WARN}.get(versions.status("transformers", version), OK)
+    fix = f"pip install 'transformers{versions.supported_range('transformers')}' (tested)" if status != OK else ""
+    return Check("transformers", status, f"transformers {version} — {gen}", fix)
 
 
 def build_probe_model(spec: str | None, probe_layers: int = 4):

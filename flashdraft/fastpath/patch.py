@@ -2,9 +2,13 @@
 
 Two generations of transformers look the four functions up in different places:
 - 5.2-5.14: per layer, in instance attributes set at `__init__` from the module's import-time imports.
-- 5.15+:    in the modeling module's globals, resolved once at import by `use_kernel_func_from_hub_with_fallback`.
+- 5.15+:    in the modeling module's globals, resolved once at import by `use_kernel_func_from_hub_with_fallback`
+            (each an `nn.Module` instance when a `kernels` release that transformers accepts is installed). From
+            5.25 the layer calls the module's `causal_conv1d_forward`, which looks up the two conv globals itself.
 We patch exactly where the running version looks, so the import order and whether the pip `causal-conv1d`
-is installed do not matter. Model families are recognised by their layer class, not by name lists: every
+is installed do not matter. The releases in between changed the cache accessors (5.16, 5.21), moved the
+grouped-value repeat of q/k into the rule functions (5.23: fla takes the ungrouped heads natively) and renamed
+the cache keyword (5.24); none of that changes where the four functions are looked up. Model families are recognised by their layer class, not by name lists: every
 `*GatedDeltaNet` layer of qwen3_5, qwen3_5_moe and qwen3_next follows one of the two patterns.
 """
 
@@ -40,6 +44,14 @@ _GLOBAL_NAMES = {
 }
 # The unpatched functions of each module, captured before our first patch (fallbacks are built from them).
 _ORIGINAL_GLOBALS: dict[str, dict[str, object]] = {}
+
+
+def transformers_checks_devices() -> bool:
+    """Whether transformers sends inputs on a device that the package it chose at import does not support to its
+    own torch reference (5.25+). Before, fla's kernels chosen at import crash on a CPU unless patched."""
+    from transformers.integrations import hub_kernels
+
+    return hasattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES")
 
 
 def linear_attention_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
@@ -96,6 +108,17 @@ def patch_model(model: torch.nn.Module, conv_backend: str = "auto") -> str | Non
         # An instance attribute shadows the class's forward; the module, its weight and state-dict keys stay.
         layer.norm.forward = gated_norm_forward(layer.norm)
     return generation
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    """Whether every linear-attention layer of `model` already looks up flashdraft's backends (True without any)."""
+    for _, layer in linear_attention_layers(model):
+        if not getattr(layer.norm.__dict__.get("forward"), "__flashdraft_backend__", False):
+            return False
+        for owner, name in entry_points(layer).values():
+            if not getattr(getattr(owner, name, None), "__flashdraft_backend__", False):
+                return False
+    return True
 
 
 def unpatch_model(model: torch.nn.Module) -> None:

@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from flashdraft.fastpath import record
-from flashdraft.fastpath.backends import DAO_CUDA, FLA, FLASHDRAFT_TRITON, GATED_NORM, OPS, TORCH
+from flashdraft.fastpath.backends import DAO_CUDA, FLA, FLASHDRAFT_TRITON, GATED_NORM, OPS, TORCH, hub_wrapped
 from flashdraft.fastpath.patch import GLOBALS, INSTANCE, entry_points, generation_of, linear_attention_layers
+from flashdraft.versions import cache_kwargs, returned_cache
 
 NOT_CALLED = "not called"
 # Column headers of the per-layer table (the JSON keeps the full call names).
@@ -143,26 +144,49 @@ def _ranges(indices: list[int]) -> str:
     return ",".join(parts)
 
 
-def describe(fn) -> tuple[str, str]:
-    """Classify a callable that flashdraft did not install: (implementation, reason)."""
+def _closure(fn) -> dict[str, object]:
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    return dict(zip(code.co_freevars, (c.cell_contents for c in cells), strict=True)) if code is not None else {}
+
+
+def describe(fn, device_type: str | None = None) -> tuple[str, str]:
+    """Classify a callable that flashdraft did not install: (implementation, reason).
+
+    device_type: where the call's inputs are (transformers 5.25+ sends inputs on a device the chosen package does
+    not support to the torch reference itself).
+    """
     if fn is None:
         return TORCH, "no causal-conv1d at import: the layer runs nn.Conv1d"
-    # transformers 5.15+ wraps the chosen implementation in a closure cell called `implementation`.
-    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
-    if code is not None and "implementation" in code.co_freevars:
-        fn = cells[code.co_freevars.index("implementation")].cell_contents
+    # transformers 5.15+ wraps the chosen implementation in a closure cell called `implementation` (inside the
+    # `kernels` package's module wrapper when a release of it that transformers accepts is installed).
+    cells = _closure(hub_wrapped(fn))
+    fn = cells.get("implementation", fn)
+    supported = cells.get("supported_devices")
     module = getattr(fn, "__module__", "") or ""
     if module.startswith("fla"):
-        return FLA, "chosen by transformers at import"
-    if module.startswith("causal_conv1d"):
-        return DAO_CUDA, "chosen by transformers at import"
-    if module.startswith("flashdraft"):
+        impl = FLA
+    elif module.startswith("causal_conv1d"):
+        impl = DAO_CUDA
+    elif module.startswith("flashdraft"):
         return FLASHDRAFT_TRITON, ""
-    return TORCH, "fallback: chosen by transformers at import (fast package missing or failed to import)"
+    else:
+        return TORCH, "fallback: chosen by transformers at import (fast package missing or failed to import)"
+    if supported is not None and device_type is not None and device_type not in supported:
+        return (
+            TORCH,
+            f"fallback: transformers' own device check ({impl} runs on {', '.join(supported)}, not {device_type})",
+        )
+    return impl, "chosen by transformers at import"
 
 
 def _tracer(op: str, fn):
-    return _noting(op, *describe(fn), fn)
+    @functools.wraps(hub_wrapped(fn))
+    def traced(*args, **kwargs):
+        tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        record.note(op, *describe(fn, None if tensor is None else tensor.device.type))
+        return fn(*args, **kwargs)
+
+    return traced
 
 
 def _noting(op: str, impl: str, reason: str, fn):
@@ -272,8 +296,8 @@ def _run(model: torch.nn.Module, device: torch.device, num_tokens: int) -> None:
     out = model(input_ids=ids, use_cache=True, cache_position=positions[:-1], position_ids=positions[None, :-1],
                 **masks)  # fmt: skip
     nxt = torch.randint(0, vocab, (1, 1), generator=generator).to(device)
-    model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True, cache_position=positions[-1:],
-          position_ids=positions[None, -1:], **masks)  # fmt: skip
+    model(input_ids=nxt, use_cache=True, cache_position=positions[-1:], position_ids=positions[None, -1:],
+          **cache_kwargs(returned_cache(out)), **masks)  # fmt: skip
 
 
 def _has_full_attention(model: torch.nn.Module) -> bool:

@@ -35,9 +35,11 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
+from flashdraft import fastpath
 from flashdraft.drafter import select_context_features
 from flashdraft.spec import state
 from flashdraft.spec.sampling import next_token, rejection_sample, sample, sampling_probs, validate_sampling
+from flashdraft.versions import cache_kwargs
 
 
 @dataclass
@@ -195,6 +197,7 @@ def speculative_decode(
         raise ValueError(f"speculative decoding runs batch 1; got input_ids of shape {tuple(input_ids.shape)}")
     if input_ids.numel() == 0:
         raise ValueError("input_ids is empty: the prompt needs at least one token")
+    fastpath.ensure(target)  # a user's hybrid target runs its linear-attention layers with device-aware kernels
     device = next(target.parameters()).device
     prompt = input_ids.reshape(-1).to(device)
     result = GenerationResult(tokens=[], num_prompt_tokens=prompt.shape[0])
@@ -209,7 +212,7 @@ def speculative_decode(
         result.num_target_forwards += 1
         return target(
             input_ids=ids[None],
-            past_key_values=cache,
+            **cache_kwargs(cache),
             use_cache=True,
             logits_to_keep=keep_logits,
             output_hidden_states=features and layers is not None,

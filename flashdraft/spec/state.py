@@ -13,9 +13,11 @@ point. The accepted tokens are then *not* in the cache; the decoding loop feeds 
 next verification (see `flashdraft.spec.generate`), which advances the states over exactly the accepted tokens
 without an extra forward. Caches without linear-attention layers roll back to any prefix by cropping.
 
-Supported cache layers: transformers' `DynamicLayer` (full attention), `LinearAttentionLayer` and
-`LinearAttentionAndFullAttentionLayer`. Anything else (sliding-window, static, quantized) raises: those need
-their own exact rollback, and a silent approximation is what this module exists to avoid.
+Supported cache layers: transformers' `DynamicLayer` (full attention), `LinearAttentionLayer`,
+`LinearAttentionAndFullAttentionLayer` and `DummyLayer` (5.23+: a layer that caches nothing). Anything else
+(sliding-window, static, quantized) raises: those need their own exact rollback, and a silent approximation is
+what this module exists to avoid. From transformers 5.25 a linear-attention layer also counts its tokens
+(`cumulative_length_linear`, what the model reads its positions from): the snapshot restores it too.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixi
 # other bookkeeping, so only these exact types are accepted.
 _KV_TYPES = ("DynamicLayer", "LinearAttentionAndFullAttentionLayer")
 _LINEAR_TYPES = ("LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer")
+_EMPTY_TYPES = ("DummyLayer",)
 
 
 def new_cache(model: torch.nn.Module) -> DynamicCache:
@@ -40,9 +43,10 @@ def new_cache(model: torch.nn.Module) -> DynamicCache:
 def _check_supported(cache: DynamicCache) -> None:
     for idx, layer in enumerate(cache.layers):
         name = type(layer).__name__
-        if name not in _KV_TYPES and name not in _LINEAR_TYPES:
+        if name not in _KV_TYPES + _LINEAR_TYPES + _EMPTY_TYPES:
             raise ValueError(
-                f"cache layer {idx} is a {name}; exact rollback supports {sorted(set(_KV_TYPES + _LINEAR_TYPES))} "
+                f"cache layer {idx} is a {name}; exact rollback supports "
+                f"{sorted(set(_KV_TYPES + _LINEAR_TYPES + _EMPTY_TYPES))} "
                 "(a sliding-window or static cache needs its own snapshot)"
             )
         if getattr(layer, "record_past", False):
@@ -95,6 +99,8 @@ class CacheSnapshot:
     conv: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     recurrent: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     has_previous: dict[tuple[int, int], bool] = field(default_factory=dict)
+    # layer index -> copy of its token count (transformers 5.25+ linear-attention layers; a device tensor).
+    linear_length: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _copy_into(buffers: dict, key, src: torch.Tensor) -> None:
@@ -119,6 +125,9 @@ def take_snapshot(cache: DynamicCache, reuse: CacheSnapshot | None = None) -> Ca
     for idx, layer in enumerate(cache.layers):
         if not _has_linear(layer):
             continue
+        count = getattr(layer, "cumulative_length_linear", None)
+        if count is not None:
+            _copy_into(snap.linear_length, idx, count)
         for s in range(layer.number_of_states):
             snap.has_previous[idx, s] = layer.has_previous_state[s]
             if layer.is_conv_states_initialized[s]:
@@ -146,6 +155,8 @@ def restore(cache: DynamicCache, snap: CacheSnapshot) -> None:
             elif layer.is_recurrent_states_initialized[s]:
                 layer.recurrent_states[s].zero_()
             layer.has_previous_state[s] = snap.has_previous.get((idx, s), False)
+        if idx in snap.linear_length:
+            layer.cumulative_length_linear.copy_(snap.linear_length[idx])
 
 
 def rollback(cache: DynamicCache, snap: CacheSnapshot, keep: int, appended: int | None = None) -> int:

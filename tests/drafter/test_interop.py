@@ -9,11 +9,15 @@ import pytest
 import torch
 from safetensors import safe_open
 from transformers import DynamicCache, Qwen3Config
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from flashdraft.drafter import DFlashDraftModel, build_target_layer_ids
 from flashdraft.tiny_configs import build_tiny_target, tiny_config
 
 HIDDEN, VOCAB, BLOCK = 64, 256, 4
+# transformers 5.15 taught a sliding-window cache layer to roll back past its window (activate_past_recording);
+# before, the reference loop's `cache.crop` fails there, for the reference and for ours alike.
+SLIDING_CROP = hasattr(DynamicSlidingWindowLayer, "activate_past_recording")
 LAYER_TYPES = {
     "full": None,
     "sliding": ["sliding_attention", "full_attention"],  # one causal sliding-window layer, one bidirectional
@@ -89,6 +93,8 @@ def random_steps(n_features: int, accepted=(7, 3, 1), seed=1):
 @pytest.mark.parametrize("use_cache", [False, True], ids=["no_cache", "cache"])
 @torch.no_grad()
 def test_ours_saved_loads_in_reference_with_identical_logits(ref, tmp_path, kind, use_cache):
+    if use_cache and kind == "sliding" and not SLIDING_CROP:
+        pytest.skip("this transformers cannot roll a sliding-window cache back past its window (5.15+ can)")
     original = ours(kind)
     original.save_pretrained(tmp_path)
     reference = ref.DFlashDraftModel.from_pretrained(tmp_path).eval()
@@ -121,7 +127,7 @@ def test_reference_saved_loads_in_ours_with_identical_logits(ref, tmp_path, kind
     head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
     steps = random_steps(len(model.target_layer_ids), seed=2)
     reloaded = ref.DFlashDraftModel.from_pretrained(tmp_path).eval()
-    for use_cache in (False, True):
+    for use_cache in (False, True) if kind != "sliding" or SLIDING_CROP else (False,):
         cache = (lambda m: DynamicCache(config=m.config)) if use_cache else (lambda m: None)
         got = draft_logits(model, head, steps, cache(model))
         for a, b in zip(got, draft_logits(reference, head, steps, cache(reference)), strict=True):

@@ -19,7 +19,12 @@ def test_doctor_json_on_this_machine():
     assert set(result) >= {"ok", "checks", "layers"}
     assert {c["name"] for c in result["checks"]} == NAMES
     for c in result["checks"]:
-        assert set(c) == {"name", "status", "detail", "fix", "seconds"} and c["status"] in {"ok", "warn", "fail", "info"}
+        assert set(c) == {"name", "status", "detail", "fix", "seconds"} and c["status"] in {
+            "ok",
+            "warn",
+            "fail",
+            "info",
+        }
         assert c["seconds"] >= 0
     # A slow first run (Triton compiles) is never silent: every step is announced on stderr, stdout stays JSON.
     progress = [line for line in out.stderr.splitlines() if line.startswith("[doctor] ")]
@@ -75,5 +80,9 @@ def test_build_log_without_known_failure():
 
 def test_transformers_generation_names():
     assert transformers_generation("5.14.1").startswith("5.2-5.14")
-    assert transformers_generation("5.17.0").startswith("5.15+")
+    assert transformers_generation("5.17.0").startswith("5.15-5.24")
+    assert transformers_generation("5.24.0").startswith("5.15-5.24")
+    assert transformers_generation("5.25.0").startswith("5.25+: module globals, and transformers sends CPU inputs")
+    assert transformers_generation("5.26.0.dev0").endswith("newer than the releases flashdraft was tested with")
+    assert transformers_generation("5.13.1") == "unsupported (flashdraft needs >=5.14,<5.26)"
     assert transformers_generation("4.57.0").startswith("unsupported")

@@ -1,56 +1,47 @@
-"""The older transformers fast-path generation (5.2-5.14: per-layer attributes set at import), in a subprocess.
+"""Every generation of transformers' Gated DeltaNet layer and its hooks, each release in a process of its own.
 
-.ci/run installs transformers 5.14.1 into a side directory and points FLASHDRAFT_OLD_TRANSFORMERS at it.
+The releases that changed what flashdraft relies on (found by diffing the qwen3_5, qwen3_5_moe and qwen3_next
+modeling files and cache_utils.py): 5.14 (kernels in layer attributes), 5.15 (module globals), 5.16 (cache
+`has_previous_state(state_idx)`), 5.17 (fla's kernels found whatever the import order), 5.21 (cache accessors `get_conv_state`, `is_recording_past`), 5.23 (q/k group
+repeat inside the rule functions; `DummyLayer`), 5.24 (`past_key_values` -> `cache`), 5.25 (`causal_conv1d_forward`,
+transformers' own device check, linear-attention token counts in the cache). generation_checks.py says what is
+checked.
+
+The installed release always runs. Others are installed side by side (`pip install --no-deps --target DIR
+transformers==X`, plus the tokenizers / huggingface_hub X needs when the environment's do not fit) and listed in
+FLASHDRAFT_TRANSFORMERS_DIRS (os.pathsep-separated directories); .ci/run does that.
 """
 
 import os
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 
-OLD = os.environ.get("FLASHDRAFT_OLD_TRANSFORMERS")
-
-SCRIPT = textwrap.dedent(
-    """
-    import torch, transformers
-    assert transformers.__version__.startswith("5.14"), transformers.__version__
-    from flashdraft import fastpath
-    from flashdraft.fastpath.patch import INSTANCE
-    from flashdraft.tiny_configs import build_tiny_target
-
-    for family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
-        model = build_tiny_target(family, num_layers=4, seed=3)
-        ids = torch.randint(0, 256, (1, 11))
-        with torch.no_grad():
-            before = model(ids).logits
-        # What transformers chose at import, per layer (on a CPU 5.14 deems fla unavailable: torch / nn.Conv1d).
-        untouched = fastpath.probe(model)
-        assert untouched.generation == INSTANCE
-        assert all(u.impl == "torch" for l in untouched.layers for u in l.ops.values()), untouched
-        conv = untouched.layers[0].ops["causal_conv1d_fn"]
-        assert "nn.Conv1d" in conv.reason, conv
-        report = fastpath.enable(model, strict=False)
-        assert report.generation == INSTANCE and len(report.layers) == 3
-        for layer in report.layers:
-            for use in layer.ops.values():
-                assert use.impl == "torch" and "no CUDA device" in use.reason, use
-        with torch.no_grad():
-            after = model(ids).logits
-        torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
-        fastpath.disable(model)
-        assert fastpath.probe(model).layers[0].ops["causal_conv1d_fn"].reason == conv.reason
-    print("OK")
-    """
-)
+DIRS = [d for d in os.environ.get("FLASHDRAFT_TRANSFORMERS_DIRS", "").split(os.pathsep) if d]
+REPO = Path(__file__).resolve().parents[2]
 
 
-def test_transformers_5_14_generation():
-    if not OLD:
-        if os.environ.get("CI"):
-            pytest.fail("FLASHDRAFT_OLD_TRANSFORMERS is not set: .ci/run installs transformers 5.14.1 for this test")
-        pytest.skip("set FLASHDRAFT_OLD_TRANSFORMERS to a --target dir holding transformers 5.14.1 (see .ci/run)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([OLD, os.getcwd()]))
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+def _release_of(directory: str) -> str:
+    found = sorted(Path(directory).glob("transformers-*.dist-info"))
+    if len(found) != 1:
+        pytest.fail(f"{directory}: expected one transformers-*.dist-info, found {len(found)}", pytrace=False)
+    return found[0].name.removeprefix("transformers-").removesuffix(".dist-info")
+
+
+@pytest.mark.parametrize("directory", [None, *DIRS], ids=lambda d: "installed" if d is None else Path(d).name)
+def test_generation(directory):
+    path = [str(REPO)] if directory is None else [directory, str(REPO)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    args = [] if directory is None else [_release_of(directory)]
+    out = subprocess.run([sys.executable, "-m", "tests.fastpath.generation_checks", *args], capture_output=True,
+                         text=True, env=env, cwd=REPO, timeout=900)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr[-6000:]
+
+
+def test_ci_lists_side_by_side_releases():
+    if os.environ.get("CI") and not DIRS:
+        pytest.fail("FLASHDRAFT_TRANSFORMERS_DIRS is empty: .ci/run installs the other transformers generations")
+    for directory in DIRS:
+        assert _release_of(directory).startswith("5."), directory

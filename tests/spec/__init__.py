@@ -16,6 +16,7 @@ from flashdraft import fastpath
 from flashdraft.fastpath.backends import CHUNK_RULE, RECURRENT_RULE
 from flashdraft.fastpath.patch import entry_points, linear_attention_layers
 from flashdraft.tiny_configs import build_tiny_target
+from flashdraft.versions import cache_kwargs
 
 VOCAB = 256
 MASK = VOCAB - 1
@@ -76,7 +77,7 @@ def ready(*targets, exact: bool = True):
         for target in hybrids:
             fastpath.enable(target, strict=False, run_probe=False)
             if exact and next(target.parameters()).dtype == torch.float64:
-                # Where the running transformers looks the rules up: each layer (up to 5.14) or the module.
+                # Where the layers look the rules up: module globals (5.15+) or each layer's attributes (5.14).
                 for _, layer in linear_attention_layers(target):
                     for op in (CHUNK_RULE, RECURRENT_RULE):
                         owner, name = entry_points(layer)[op]
@@ -143,10 +144,10 @@ def reference_greedy(target, prompt: torch.Tensor, max_new_tokens: int, stop_tok
     cache = DynamicCache(config=target.config)
     out, ids = [], prompt.view(1, -1)
     for i in range(ids.shape[1] - 1):
-        target(ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+        target(ids[:, i : i + 1], use_cache=True, **cache_kwargs(cache))
     ids = ids[:, -1:]
     for _ in range(max_new_tokens):
-        token = int(target(ids, past_key_values=cache, use_cache=True).logits[0, -1].argmax())
+        token = int(target(ids, use_cache=True, **cache_kwargs(cache)).logits[0, -1].argmax())
         out.append(token)
         if token in stop_token_ids:
             break

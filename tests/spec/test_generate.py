@@ -5,8 +5,11 @@ exactly."""
 import pytest
 import torch
 
+from flashdraft import fastpath
+from flashdraft.fastpath.patch import is_patched
 from flashdraft.spec import autoregressive_generate, generate, prompt_lookup_generate
 
+from ..fastpath import crashes_unpatched_on_cpu
 from . import (  # noqa: F401 (one_thread: autouse fixture)
     ScriptedDrafter,
     one_thread,
@@ -19,6 +22,7 @@ from . import (  # noqa: F401 (one_thread: autouse fixture)
 )
 
 FAMILIES = ["qwen3_5", "qwen3"]
+CUDA = torch.cuda.is_available()
 BLOCK_SIZES = (2, 4, 16)
 
 
@@ -166,6 +170,47 @@ def test_baselines_equal_target_greedy(setup):
         # Tiny random models repeat themselves, which prompt lookup drafts correctly now and then.
         prompt, max_new, expected = cases[0]
         assert max(prompt_lookup_generate(target, prompt, max_new, block_size=8).acceptance_lengths) >= 3
+
+
+@pytest.fixture
+def plain_hybrid():
+    """A tiny hybrid Qwen3.5 as a user builds it with transformers (float32, on the CPU), in the state transformers
+    left its modeling module at import (fla's kernels on 5.15-5.24, which crash on a CPU)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, layer_types=["linear_attention"] * 3 + ["full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(21)
+    target = Qwen3_5ForCausalLM(config).eval()
+    fastpath.disable(target)  # undo what an earlier test's entry point patched: a fresh process's state
+    yield target
+    fastpath.disable(target)
+
+
+@pytest.mark.parametrize("entry", ["generate", "generate-engine", "autoregressive", "prompt-lookup"])
+def test_entry_points_make_a_plain_transformers_model_runnable(plain_hybrid, entry):
+    target = plain_hybrid
+    prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(22))
+    assert not is_patched(target)
+    if crashes_unpatched_on_cpu(target) and not CUDA:
+        with pytest.raises(Exception, match="active drivers"), torch.no_grad():
+            target(prompt)  # what a user hits without the entry point's help (transformers 5.17-5.24)
+    drafter = random_drafter(target, block_size=4, seed=23)
+    run = {
+        "generate": lambda: generate(target, drafter, prompt, 24, engine=False),
+        "generate-engine": lambda: generate(target, drafter, prompt, 24, engine=True),
+        "autoregressive": lambda: autoregressive_generate(target, prompt, 24, engine=False),
+        "prompt-lookup": lambda: prompt_lookup_generate(target, prompt, 24, block_size=4, engine=False),
+    }[entry]
+    first = run()
+    assert is_patched(target)
+    hf = target.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0,
+                         eos_token_id=None)  # fmt: skip
+    assert first.tokens == hf[0, prompt.shape[1] :].tolist()
+    assert run().tokens == first.tokens  # applying the fast path again changes nothing
 
 
 def test_prompt_lookup_proposals():

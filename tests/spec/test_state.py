@@ -7,6 +7,7 @@ from transformers import DynamicCache
 
 from flashdraft.spec import state
 from flashdraft.tiny_configs import ALL_FAMILIES, HYBRID_FAMILIES
+from flashdraft.versions import cache_kwargs
 
 from . import one_thread, ready, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 
@@ -28,12 +29,12 @@ def _ids(seed: int = 0) -> torch.Tensor:
 def _ours(target, ids: torch.Tensor, keep: int) -> torch.Tensor:
     """Prefill, verify a block of 8, keep `keep`, then feed what the cache lacks plus AFTER more tokens."""
     cache = state.new_cache(target)
-    target(ids[:, :PREFIX], past_key_values=cache, use_cache=True)
+    target(ids[:, :PREFIX], use_cache=True, **cache_kwargs(cache))
     snap = state.take_snapshot(cache)
-    target(ids[:, PREFIX : PREFIX + BLOCK], past_key_values=cache, use_cache=True)
+    target(ids[:, PREFIX : PREFIX + BLOCK], use_cache=True, **cache_kwargs(cache))
     committed = PREFIX + state.rollback(cache, snap, keep)
     assert state.kv_length(cache) == committed
-    return target(ids[:, committed : PREFIX + keep + AFTER], past_key_values=cache, use_cache=True).logits[:, -AFTER:]
+    return target(ids[:, committed : PREFIX + keep + AFTER], use_cache=True, **cache_kwargs(cache)).logits[:, -AFTER:]
 
 
 @torch.inference_mode()
@@ -41,11 +42,11 @@ def _transformers_crop(target, ids: torch.Tensor, keep: int) -> torch.Tensor:
     """The same with transformers' activate_past_recording() + crop()."""
     cache = DynamicCache(config=target.config)
     cache.activate_past_recording()
-    target(ids[:, :PREFIX], past_key_values=cache, use_cache=True)
+    target(ids[:, :PREFIX], use_cache=True, **cache_kwargs(cache))
     cache.crop(0)
-    target(ids[:, PREFIX : PREFIX + BLOCK], past_key_values=cache, use_cache=True)
+    target(ids[:, PREFIX : PREFIX + BLOCK], use_cache=True, **cache_kwargs(cache))
     cache.crop(keep - BLOCK)
-    return target(ids[:, PREFIX + keep : PREFIX + keep + AFTER], past_key_values=cache, use_cache=True).logits[
+    return target(ids[:, PREFIX + keep : PREFIX + keep + AFTER], use_cache=True, **cache_kwargs(cache)).logits[
         :, -AFTER:
     ]
 
@@ -79,9 +80,9 @@ def test_rollback_reports_what_the_cache_kept(target):
     ids = _ids(1)
     with torch.inference_mode():
         cache = state.new_cache(target)
-        target(ids[:, :PREFIX], past_key_values=cache, use_cache=True)
+        target(ids[:, :PREFIX], use_cache=True, **cache_kwargs(cache))
         snap = state.take_snapshot(cache)
-        target(ids[:, PREFIX : PREFIX + 4], past_key_values=cache, use_cache=True)
+        target(ids[:, PREFIX : PREFIX + 4], use_cache=True, **cache_kwargs(cache))
         assert state.rollback(cache, snap, 2) == (0 if hybrid else 2)
         assert state.kv_length(cache) == PREFIX + (0 if hybrid else 2)
         with pytest.raises(ValueError, match="keep must be in"):
@@ -122,13 +123,13 @@ def test_snapshot_buffers_are_reused_and_independent_of_in_place_updates(family)
     ids = _ids(2)
     with ready(model), torch.inference_mode():
         cache = state.new_cache(model)
-        model(ids[:, :PREFIX], past_key_values=cache, use_cache=True)
+        model(ids[:, :PREFIX], use_cache=True, **cache_kwargs(cache))
         snap = state.take_snapshot(cache)
         buffers = {key: t.data_ptr() for key, t in snap.conv.items()}
-        model(ids[:, PREFIX : PREFIX + 1], past_key_values=cache, use_cache=True)
+        model(ids[:, PREFIX : PREFIX + 1], use_cache=True, **cache_kwargs(cache))
         state.rollback(cache, snap, 0)
         expected = model(ids[:, : PREFIX + 1]).logits[:, -1]
-        got = model(ids[:, PREFIX : PREFIX + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+        got = model(ids[:, PREFIX : PREFIX + 1], use_cache=True, **cache_kwargs(cache)).logits[:, -1]
         assert (got - expected).abs().max().item() <= 1e-10
         again = state.take_snapshot(cache, reuse=snap)
         assert again is snap and {key: t.data_ptr() for key, t in snap.conv.items()} == buffers

@@ -22,6 +22,7 @@ import warnings
 
 import torch
 
+from flashdraft import fastpath
 from flashdraft.spec.engine.drafter import DrafterRunner
 from flashdraft.spec.engine.target import TargetEngine, unsupported_reason
 from flashdraft.spec.generate import GenerationResult
@@ -174,6 +175,8 @@ def engine_decode(
         raise ValueError("input_ids is empty: the prompt needs at least one token")
     if drafter is not None and lookup is not None:
         raise ValueError("give a drafter or a lookup proposer, not both")
+    # The engine runs its own device-aware kernels; the target's own forward (which callers may run next) gets them.
+    fastpath.ensure(target)
     device = next(target.parameters()).device
     graphs = device.type == "cuda" if graphs is None else graphs
     prompt = input_ids.reshape(-1)

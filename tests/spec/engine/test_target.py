@@ -7,6 +7,7 @@ import torch
 from flashdraft.spec.engine import ops
 from flashdraft.spec.engine.target import TargetEngine, unsupported_reason
 from flashdraft.tiny_configs import build_tiny_target
+from flashdraft.versions import cache_kwargs
 
 from .. import one_thread, ready, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 from . import ATOL, CONFIGS
@@ -27,7 +28,7 @@ def _reference_logits(target, ids: torch.Tensor, prompt: int) -> torch.Tensor:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=target.config)
-    rows = [target(ids[None, i : i + 1], past_key_values=cache, use_cache=True).logits[0] for i in range(len(ids))]
+    rows = [target(ids[None, i : i + 1], use_cache=True, **cache_kwargs(cache)).logits[0] for i in range(len(ids))]
     return torch.cat(rows[prompt - 1 :]).to(torch.float64)
 
 
