@@ -15,9 +15,6 @@ from flashdraft.features import FeatureStore, write_features
 from flashdraft.train import loop
 from tests.data.conftest import moto_server, no_aws, s3  # noqa: F401 (the moto S3 fixtures of tests/data)
 
-# The moto S3 fixtures of tests/data.
-from .data.conftest import moto_server, no_aws, s3  # noqa: F401
-
 ROOT = Path(__file__).resolve().parents[1]
 # batch_size 1: the online trainer then captures each sequence alone, exactly as the features command does.
 RUN = ["train.max_steps=3", "log.every=1", "log.checkpoint_every=3", "data.eval_prompts=null", "train.batch_size=1",
