@@ -5,7 +5,7 @@ On a Qwen3.5-27B-shaped random bf16 target (64 layers: 48 Gated DeltaNet + 16 ga
 and 8192, measures:
   anchors   transformers eager decode step and 16-token verification (fast path on: fla + flashdraft conv),
             one round of the reference `dflash.model.dflash_generate` (draft, verify 16, crop)
-  engine    flashdraft.spec.engine with CUDA graphs: decode step, verify 16, draft, commit, and a full round
+  engine    flashdraft.speculative.engine with CUDA graphs: decode step, verify 16, draft, commit, and a full round
             (draft + verify + acceptance + exact rollback + the one host read), as `generate` runs it
   checks    engine logits vs transformers' on the same weights (prefill and a decode step); DFlash output vs the
             engine's own autoregressive greedy output (bf16), with the logits at the first difference (near-tie?)
@@ -92,16 +92,16 @@ def build(smoke: bool, layers: int):
 @torch.inference_mode()
 def hf_anchor(target, ids: torch.Tensor, iters: int) -> dict:
     """transformers eager: one-token decode step and a 16-token forward, with the cache of `ids`."""
-    from flashdraft.spec import state
+    from flashdraft.speculative import rollback
 
-    cache = state.new_cache(target)
+    cache = rollback.new_cache(target)
     target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    snap = state.take_snapshot(cache)
+    snap = rollback.take_snapshot(cache)
     one, block = ids[:, -1:], ids[:, -BLOCK:]
 
     def step(x):
         target(input_ids=x, past_key_values=cache, use_cache=True)
-        state.restore(cache, snap)  # same context every call (restore is ~0.4 ms per 16 layers, counted)
+        rollback.restore(cache, snap)  # same context every call (restore is ~0.4 ms per 16 layers, counted)
 
     return {"decode_ms": timed_ms(lambda: step(one), iters), "verify16_ms": timed_ms(lambda: step(block), iters)}
 
@@ -121,7 +121,7 @@ def dflash_anchor(reference, target, ids: torch.Tensor, rounds: int) -> dict:
 
 @torch.inference_mode()
 def engine_numbers(target, drafter, ids: torch.Tensor, graphs: bool, iters: int) -> dict:
-    from flashdraft.spec.engine import loop
+    from flashdraft.speculative.engine import session as loop
 
     sess = loop.session(
         target, ids.shape[1] + (ROUNDS + 4) * (iters + 2) + 4 * BLOCK, BLOCK, list(drafter.target_layer_ids), graphs
@@ -264,8 +264,8 @@ def near_tie(engine, ids: torch.Tensor, greedy: list[int], spec: list[int], j: i
 @torch.inference_mode()
 def checks(target, drafter, ids: torch.Tensor, graphs: bool) -> dict:
     """Engine vs transformers logits on the same weights; DFlash vs the engine's own greedy decoding."""
-    from flashdraft.spec import autoregressive_generate, generate
-    from flashdraft.spec.engine import loop
+    from flashdraft.speculative import autoregressive_generate, generate
+    from flashdraft.speculative.engine import session as loop
 
     hf = target(input_ids=ids, use_cache=True, logits_to_keep=1)
     sess = loop.session(target, ids.shape[1] + 64, BLOCK, list(drafter.target_layer_ids), graphs)
@@ -355,7 +355,7 @@ def main() -> None:
         row["engine"] = engine_numbers(target, drafter, ids, graphs, iters)
         print(ctx, row["engine"], flush=True)
         if a.profile:
-            from flashdraft.spec.engine import loop
+            from flashdraft.speculative.engine import session as loop
 
             sess = loop.current_session(target)
             row["profile"] = kernel_profile(sess.engine, sess.runner(drafter))

@@ -121,7 +121,7 @@ def rollback_cost(context: int = 1024, layers: int = 16) -> dict:
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
 
     from flashdraft import fastpath
-    from flashdraft.spec import state
+    from flashdraft.speculative import rollback
 
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -130,22 +130,22 @@ def rollback_cost(context: int = 1024, layers: int = 16) -> dict:
     ids = torch.randint(0, 248320, (1, context), device="cuda")
     res = {}
     with torch.no_grad():
-        cache = state.new_cache(model)
+        cache = rollback.new_cache(model)
         model(input_ids=ids, past_key_values=cache, use_cache=True)
-        snap = state.take_snapshot(cache)
+        snap = rollback.take_snapshot(cache)
         block = torch.randint(0, 248320, (1, 16), device="cuda")
         one = block[:, :1]
 
         def verify():
             model(input_ids=block, past_key_values=cache, use_cache=True)
-            state.restore(cache, snap)
+            rollback.restore(cache, snap)
 
         def decode():
             model(input_ids=one, past_key_values=cache, use_cache=True)
-            state.restore(cache, snap)
+            rollback.restore(cache, snap)
 
-        res["snapshot_ms"] = events_ms(lambda: state.take_snapshot(cache, reuse=snap))
-        res["restore_ms"] = events_ms(lambda: state.restore(cache, snap))
+        res["snapshot_ms"] = events_ms(lambda: rollback.take_snapshot(cache, reuse=snap))
+        res["restore_ms"] = events_ms(lambda: rollback.restore(cache, snap))
         res["verify16_plus_restore_ms"] = events_ms(verify)
         res["decode1_plus_restore_ms"] = events_ms(decode)
         res["snapshot_bytes"] = sum(

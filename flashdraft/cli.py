@@ -32,7 +32,7 @@ SUBCOMMANDS = {
     "regenerate": "flashdraft.data.regenerate",
     "train": "flashdraft.train.cli",
     "features": "flashdraft.features",
-    "eval": "flashdraft.spec.evaluate",
+    "eval": "flashdraft.speculative.evaluate",
     "export": "flashdraft.export",
     "bench": "flashdraft.train.bench",
 }

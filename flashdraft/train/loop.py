@@ -539,8 +539,8 @@ def measure_tau(cfg: RunConfig, s: Setup, json_out: Path | None = None, drafter=
     if prompts_path is None:
         return None
     from flashdraft import fastpath
-    from flashdraft.spec.evaluate import load_prompts
-    from flashdraft.spec.generate import generate, use_engine
+    from flashdraft.speculative.evaluate import load_prompts
+    from flashdraft.speculative.generate import generate, use_engine
 
     if s.full_target is None:
         if cfg.target.path == embedded.EMBEDDED:

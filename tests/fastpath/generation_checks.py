@@ -5,7 +5,7 @@
 What must hold on every release of the supported range, on a CPU with fla installed: the probe reports what
 transformers chose at import; `fastpath.enable` reroutes every call of every Gated DeltaNet layer to the torch
 reference without changing a logit; `disable` puts transformers' choice back; an untouched model goes through
-`flashdraft.spec.generate` (plain loop and engine) token for token as its own greedy decoding (the entry point
+`flashdraft.speculative.generate` (plain loop and engine) token for token as its own greedy decoding (the entry point
 makes it runnable, and the cache rollback is exact with this release's cache); target capture equals
 `output_hidden_states`. Prints "OK" last.
 """
@@ -101,7 +101,7 @@ def own_greedy(target, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
 
 def check_spec_and_capture() -> None:
     from flashdraft.drafter import DFlashDraftModel
-    from flashdraft.spec import generate
+    from flashdraft.speculative import generate
     from flashdraft.target import FrozenTarget
 
     target = build_tiny_target("qwen3_5", num_layers=8, seed=5, dtype=torch.float64)

@@ -290,7 +290,7 @@ def test_measured_tau_on_gpu_decodes_the_master_weights_on_the_engine(monkeypatc
     """What stopped a run's closing τ on the H200: the float32 master weights beside the bf16 target went into the
     engine under autocast (bf16 keys into a float32 cache). The engine now decodes a bf16 copy of them; the τ is
     the shipped drafter's real one, and the training drafter is left as it was."""
-    from flashdraft.spec.engine import loop as engine_loop
+    from flashdraft.speculative.engine import session as engine_loop
     from flashdraft.train import bench
 
     cfg = load_config(embedded.ASSETS / "train.yaml", ["train.device=cuda", "data.eval_limit=4"])

@@ -4,8 +4,8 @@ prefill, decode steps, verifications and commits of every length (the exact hybr
 import pytest
 import torch
 
-from flashdraft.spec.engine import ops
-from flashdraft.spec.engine.target import TargetEngine, unsupported_reason
+from flashdraft.speculative.engine import ops
+from flashdraft.speculative.engine.target_runner import TargetEngine, unsupported_reason
 from flashdraft.tiny_configs import build_tiny_target
 from flashdraft.versions import cache_kwargs
 
@@ -132,7 +132,7 @@ def test_the_gpu_conv_kernels_roll_back_exactly_too(monkeypatch):
     import importlib.util
     from pathlib import Path
 
-    from flashdraft.spec.engine import ops
+    from flashdraft.speculative.engine import ops
 
     # tests/kernels/conftest.py imports an interpreted copy of flashdraft.kernels (and leaves the real one alone).
     spec = importlib.util.spec_from_file_location(

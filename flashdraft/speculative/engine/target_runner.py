@@ -19,7 +19,7 @@ projections are computed straight into those buffers). `commit` then advances th
 rule runs over the block with beta = 0 and decay = 1 (g = 0) after `keep`. Such a step leaves the state bit for
 bit unchanged (S * 1 + k * 0), so the committed state is the one that the same kernel reaches over the `keep`
 tokens alone; the attention layers only need `length` advanced (rows past it are masked and
-later overwritten). tests/spec/engine prove the result equal to a no-cache forward of the whole sequence.
+later overwritten). tests/speculative/engine prove the result equal to a no-cache forward of the whole sequence.
 
 On a GPU the commit runs on a side stream: nothing the drafter computes next depends on it, so it overlaps the
 next draft; the next decode, verify or prefill waits for it (`join`).
@@ -35,8 +35,8 @@ import sys
 import torch
 
 from flashdraft.fastpath.backends import gated_norm_forward
-from flashdraft.spec.engine import ops
-from flashdraft.spec.engine.graphs import Step, capture_all
+from flashdraft.speculative.engine import ops
+from flashdraft.speculative.engine.graphs import Step, capture_all
 
 # Prompts up to this length go through the fused recurrent kernel (exact float32 arithmetic; launch-bound either
 # way at this length); longer ones through fla's chunk kernel (matmul-based: TF32 for float32 inputs on a GPU).

@@ -1,4 +1,4 @@
-"""Tests of flashdraft.spec.engine: on the CPU in float64 with graphs off (exact to rounding), and on a CUDA
+"""Tests of flashdraft.speculative.engine: on the CPU in float64 with graphs off (exact to rounding), and on a CUDA
 device in float32 with the CUDA graphs on (skipped without one)."""
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ import bisect
 import pytest
 import torch
 
-from flashdraft.spec import generate
-from flashdraft.spec.sampling import next_token, rejection_sample, sampling_probs
+from flashdraft.speculative import generate
+from flashdraft.speculative.sampling import next_token, rejection_sample, sampling_probs
 
 from . import one_thread, random_drafter, ready, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 

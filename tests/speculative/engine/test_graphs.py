@@ -5,7 +5,8 @@ import weakref
 
 import torch
 
-from flashdraft.spec.engine import graphs, loop
+from flashdraft.speculative.engine import graphs
+from flashdraft.speculative.engine import session as loop
 
 from .. import one_thread, tiny_target  # noqa: F401 (autouse fixture)
 

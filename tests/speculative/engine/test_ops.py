@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashdraft.spec.engine import ops
+from flashdraft.speculative.engine import ops
 
 
 def _reference(query, keys, values, visible, scale):

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from flashdraft.spec import evaluate
+from flashdraft.speculative import evaluate
 
 from . import one_thread, random_drafter, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 

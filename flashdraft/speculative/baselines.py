@@ -1,6 +1,6 @@
 """Baselines decoded by the same loop as DFlash (`speculative_decode`), so timings and statistics compare.
 
-    from flashdraft.spec.baselines import autoregressive_generate, prompt_lookup_generate
+    from flashdraft.speculative.baselines import autoregressive_generate, prompt_lookup_generate
     ar = autoregressive_generate(target, input_ids, max_new_tokens=256)
     pl = prompt_lookup_generate(target, input_ids, max_new_tokens=256, block_size=16)
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from flashdraft.spec.generate import GenerationResult, speculative_decode, use_engine
+from flashdraft.speculative.generate import GenerationResult, speculative_decode, use_engine
 
 
 class PromptLookupProposer:
@@ -58,7 +58,7 @@ def autoregressive_generate(
     engine: as in `generate` (by default the engine's captured decode step on a CUDA target it supports).
     """
     if use_engine(target, engine):
-        from flashdraft.spec.engine.loop import engine_decode
+        from flashdraft.speculative.engine.session import engine_decode
 
         return engine_decode(target, input_ids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                              stop_token_ids=stop_token_ids, generator=generator)  # fmt: skip
@@ -99,7 +99,7 @@ def prompt_lookup_generate(
     if num_draft < 0:
         raise ValueError(f"num_draft must be >= 0, got {num_draft}")
     if use_engine(target, engine):
-        from flashdraft.spec.engine.loop import engine_decode
+        from flashdraft.speculative.engine.session import engine_decode
 
         return engine_decode(target, input_ids, max_new_tokens, lookup=PromptLookupProposer(ngram_max),
                              block_size=num_draft + 1, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -5,13 +5,13 @@
 
 Prompts file: JSON lines, each `{"messages": [{"role": ..., "content": ...}, ...]}` (rendered with the tokenizer's
 chat template, generation prompt added) or `{"prompt": "raw text"}`, with an optional `"category"`.
-All three methods decode every prompt with the same settings in the same loop (`flashdraft.spec.generate`).
+All three methods decode every prompt with the same settings in the same loop (`flashdraft.speculative.generate`).
 Reported: tau (mean tokens per verification round = mean acceptance length, bonus token included), its p95,
 per-position acceptance rates, tokens/s, and speedups — overall and per category — and the implied ceiling
 `tau x decode step / round`: the decode-phase speedup that the measured costs allow (AR's time per decode step,
 DFlash's time per round, prompt processing excluded), beside the measured end-to-end speedup. On a CUDA target
-the engine (`flashdraft.spec.engine`: static caches, CUDA graphs) decodes all three methods; `--engine off`
-forces transformers forwards (`flashdraft.spec.generate`'s plain loop). At temperature 0 the DFlash
+the engine (`flashdraft.speculative.engine`: static caches, CUDA graphs) decodes all three methods; `--engine off`
+forces transformers forwards (`flashdraft.speculative.generate`'s plain loop). At temperature 0 the DFlash
 output is also compared with autoregressive decoding (`greedy_mismatches`: expected 0 in float32; bf16 kernels
 can flip near-ties, because a verification and a one-token step round differently).
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.spec.baselines import autoregressive_generate, prompt_lookup_generate
-from flashdraft.spec.generate import GenerationResult, generate, use_engine
+from flashdraft.speculative.baselines import autoregressive_generate, prompt_lookup_generate
+from flashdraft.speculative.generate import GenerationResult, generate, use_engine
 
 METHODS = ("dflash", "autoregressive", "prompt_lookup")
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -182,7 +182,7 @@ def evaluate(
 ) -> dict:
     """Decode every prompt with DFlash, autoregressive and prompt-lookup decoding; return the report dict.
 
-    engine: as in `flashdraft.spec.generate` (None: the engine on a CUDA target it supports), for all methods.
+    engine: as in `flashdraft.speculative.generate` (None: the engine on a CUDA target it supports), for all methods.
     """
     if not prompts:
         raise ValueError("evaluate needs at least one prompt")
@@ -201,7 +201,7 @@ def evaluate(
 
     if engine:
         # Caches sized for the longest prompt and graphs captured once, outside the timed runs.
-        from flashdraft.spec.engine.loop import prepare
+        from flashdraft.speculative.engine.session import prepare
 
         prepare(target, max(p.input_ids.shape[-1] for p in prompts) + max_new_tokens, block_size, drafter)
     # Warm-up (allocator, lazy imports, autotuned kernels) so that the first timed prompt is not penalised. A few

@@ -7,7 +7,7 @@ import torch
 
 from flashdraft import fastpath
 from flashdraft.fastpath.patch import is_patched
-from flashdraft.spec import autoregressive_generate, generate, prompt_lookup_generate
+from flashdraft.speculative import autoregressive_generate, generate, prompt_lookup_generate
 
 from ..fastpath import crashes_unpatched_on_cpu
 from . import (  # noqa: F401 (one_thread: autouse fixture)
@@ -214,7 +214,7 @@ def test_entry_points_make_a_plain_transformers_model_runnable(plain_hybrid, ent
 
 
 def test_prompt_lookup_proposals():
-    from flashdraft.spec.baselines import PromptLookupProposer
+    from flashdraft.speculative.baselines import PromptLookupProposer
 
     propose = PromptLookupProposer(ngram_max=3).propose
     tokens = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])

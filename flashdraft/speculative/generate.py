@@ -1,13 +1,13 @@
 """Lossless speculative decoding with a DFlash drafter, batch 1.
 
-    from flashdraft.spec import generate
+    from flashdraft.speculative import generate
     result = generate(target, drafter, input_ids, max_new_tokens=256)          # greedy: the target's own output
     result = generate(target, drafter, input_ids, 256, temperature=0.7)        # sampled: the target's distribution
     print(result.tau, result.tokens_per_second)
 
 One round: the block `[last token, MASK x (bs - 1)]` goes through the drafter once; the target verifies the
 drafts in one forward; the longest acceptable prefix plus one target token are emitted. The target's cache is
-rolled back exactly (`flashdraft.spec.state`): a plain attention cache is cropped to the accepted prefix; a
+rolled back exactly (`flashdraft.speculative.rollback`): a plain attention cache is cropped to the accepted prefix; a
 hybrid (Gated DeltaNet) cache is restored to its pre-verification snapshot and the accepted tokens are fed again
 at the front of the *next* verification — its states then advance over exactly the accepted tokens, inside a
 forward that happens anyway. The drafter's context features of those tokens come from the verification itself
@@ -22,7 +22,7 @@ Invariants of the loop (n = number of tokens so far, prompt included):
 - the target's cache holds tokens [0, committed); tokens [committed, n) are fed by the next verification;
 - the drafter has context features of tokens [0, n - 1): every token but the last has been through the target.
 
-The same loop runs the baselines (`flashdraft.spec.baselines`): autoregressive decoding proposes nothing,
+The same loop runs the baselines (`flashdraft.speculative.baselines`): autoregressive decoding proposes nothing,
 prompt lookup proposes n-gram continuations.
 """
 
@@ -37,8 +37,8 @@ from transformers import DynamicCache
 
 from flashdraft import fastpath
 from flashdraft.drafter import select_context_features
-from flashdraft.spec import state
-from flashdraft.spec.sampling import next_token, rejection_sample, sample, sampling_probs, validate_sampling
+from flashdraft.speculative import rollback
+from flashdraft.speculative.sampling import next_token, rejection_sample, sample, sampling_probs, validate_sampling
 from flashdraft.versions import cache_kwargs
 
 
@@ -59,7 +59,7 @@ class GenerationResult:
     time_to_first_token: float = 0.0
     total_time: float = 0.0
     stopped: bool = False
-    # What decoded: "plain" (transformers forwards, this module), "engine" or "engine+graphs" (flashdraft.spec.engine).
+    # What decoded: "plain" (transformers forwards, this module), "engine" or "engine+graphs" (flashdraft.speculative.engine).
     backend: str = "plain"
 
     @property
@@ -149,7 +149,7 @@ class DFlashProposer:
             past_key_values=self.cache,
             use_cache=True,
         )
-        state.crop_kv(self.cache, anchor)
+        rollback.crop_kv(self.cache, anchor)
         self.cached = anchor
         logits = self.drafter.compute_logits(hidden[0, 1 : 1 + num_drafts], self.lm_head)
         temperature, top_p, top_k = self.sampling
@@ -219,7 +219,7 @@ def speculative_decode(
         )
 
     start = _now(device)
-    cache = state.new_cache(target)
+    cache = rollback.new_cache(target)
     out = forward(prompt, 1)
     # A buffer for prompt + output; `n` tokens of it are valid.
     seq = torch.empty(prompt.shape[0] + max_new_tokens, dtype=torch.long, device=device)
@@ -243,7 +243,7 @@ def speculative_decode(
         fed = seq[committed:n] if k == 0 else torch.cat([seq[committed:n], drafts.to(device)])
         deferred = n - 1 - committed
         if k > 0:
-            snapshot = state.take_snapshot(cache, reuse=snapshot)
+            snapshot = rollback.take_snapshot(cache, reuse=snapshot)
         out = forward(fed, k + 1)
         logits = out.logits[0]
         draft_list = [] if k == 0 else drafts.tolist()
@@ -260,7 +260,7 @@ def speculative_decode(
         if layers is not None:
             proposer.observe(_features(out, layers, deferred, deferred + accepted + 1))
         if k > 0:
-            committed += state.rollback(cache, snapshot, keep=deferred + 1 + accepted, appended=fed.shape[0])
+            committed += rollback.rollback(cache, snapshot, keep=deferred + 1 + accepted, appended=fed.shape[0])
         else:
             committed = n
 
@@ -282,7 +282,7 @@ def speculative_decode(
 
 
 def use_engine(target: torch.nn.Module, engine: bool | None, drafter: torch.nn.Module | None = None) -> bool:
-    """Whether to decode with `flashdraft.spec.engine`: None (auto) = on a CUDA target the engine supports (its
+    """Whether to decode with `flashdraft.speculative.engine`: None (auto) = on a CUDA target the engine supports (its
     CUDA-graph path passed the whole GPU suite and bench/spec_engine.py's goals on the H200, 2026-12-03); True =
     always (a ValueError says why it cannot); False = never (this module's plain loop).
 
@@ -290,7 +290,7 @@ def use_engine(target: torch.nn.Module, engine: bool | None, drafter: torch.nn.M
     the target's (float32 master weights beside a bf16 target, during training) takes the plain loop."""
     if engine is False or (engine is None and next(target.parameters()).device.type != "cuda"):
         return False
-    from flashdraft.spec.engine.loop import engine_available
+    from flashdraft.speculative.engine.session import engine_available
 
     reason = engine_available(target)
     if reason is None and drafter is not None:
@@ -324,7 +324,7 @@ def generate(
     Greedy (temperature 0) output equals the target's own greedy decoding token for token; with sampling, the
     output is distributed exactly as the target's sampling with the same temperature / top-p / top-k.
     block_size: drafted block incl. the anchor (default: the drafter's); stop_token_ids: stop after emitting one.
-    engine: None (default) decodes with `flashdraft.spec.engine` (static caches, CUDA graphs) on a CUDA target it
+    engine: None (default) decodes with `flashdraft.speculative.engine` (static caches, CUDA graphs) on a CUDA target it
     supports and with this module's loop otherwise; True / False force one of them. max_deferred: plain loop only.
     """
     block_size = int(drafter.block_size if block_size is None else block_size)
@@ -333,7 +333,7 @@ def generate(
     common = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
                   generator=generator)  # fmt: skip
     if use_engine(target, engine, drafter if block_size > 1 else None):
-        from flashdraft.spec.engine.loop import engine_decode
+        from flashdraft.speculative.engine.session import engine_decode
 
         drafter = drafter if block_size > 1 else None
         return engine_decode(target, input_ids, max_new_tokens, drafter=drafter, block_size=block_size, **common)

@@ -10,7 +10,7 @@ rejected tokens (next-logit errors of 1e-4 to 1e-2 on the tiny targets, even in 
 So before a verification we copy the linear-attention states (`take_snapshot`), and afterwards `rollback` either
 keeps everything (all accepted: no copy back) or puts the copy back and crops the attention layers to the same
 point. The accepted tokens are then *not* in the cache; the decoding loop feeds them again at the front of the
-next verification (see `flashdraft.spec.generate`), which advances the states over exactly the accepted tokens
+next verification (see `flashdraft.speculative.generate`), which advances the states over exactly the accepted tokens
 without an extra forward. Caches without linear-attention layers roll back to any prefix by cropping.
 
 Supported cache layers: transformers' `DynamicLayer` (full attention), `LinearAttentionLayer`,

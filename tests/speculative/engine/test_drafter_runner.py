@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from flashdraft.drafter import DFlashDraftModel
-from flashdraft.spec.engine.drafter import DrafterRunner
-from flashdraft.spec.engine.target import TargetEngine
+from flashdraft.speculative.engine.drafter_runner import DrafterRunner
+from flashdraft.speculative.engine.target_runner import TargetEngine
 
 from .. import MASK, one_thread, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 from . import ATOL, CONFIGS

@@ -4,9 +4,9 @@ token per cached forward) and the plain loop's drafts and acceptance; sampling k
 import pytest
 import torch
 
-from flashdraft.spec import autoregressive_generate, generate, prompt_lookup_generate
-from flashdraft.spec.engine import loop
-from flashdraft.spec.engine.drafter import DrafterRunner
+from flashdraft.speculative import autoregressive_generate, generate, prompt_lookup_generate
+from flashdraft.speculative.engine import session as loop
+from flashdraft.speculative.engine.drafter_runner import DrafterRunner
 
 from .. import one_thread, random_drafter, ready, reference_greedy, tiny_target  # noqa: F401 (autouse fixture)
 from ..test_sampling import CASES, P_MIN, PROMPT, VOCAB8, _exact_joint_of_tokens_2_and_3, chi_square_pvalue
@@ -129,7 +129,7 @@ def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monke
     from flashdraft import embedded
     from flashdraft.drafter import DFlashDraftModel
 
-    plain_loop = importlib.import_module("flashdraft.spec.generate")  # the module (the package exports a function)
+    plain_loop = importlib.import_module("flashdraft.speculative.generate")  # the module (the package exports a function)
     target = AutoModelForCausalLM.from_pretrained(embedded.target_dir(), dtype=torch.float64).eval()
     drafter = DFlashDraftModel.from_pretrained(embedded.drafter_dir(), dtype=torch.float64).eval()
     tokenizer = embedded.load_tokenizer()
@@ -173,7 +173,7 @@ def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monke
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_equals_target_distribution(case, config):
-    """As tests/spec/test_sampling.py, through the engine (device-side rejection sampling, commits)."""
+    """As tests/speculative/test_sampling.py, through the engine (device-side rejection sampling, commits)."""
     device, dtype, graphs = config
     family, max_new, temperature, top_p, top_k = CASES[case]
     target = tiny_target(family, num_layers=4, vocab_size=VOCAB8, seed=3, dtype=torch.float32).to(device)
@@ -237,7 +237,7 @@ def test_a_failed_capture_warns_and_runs_eagerly():
 def test_engine_choice():
     """auto (None) is the engine on a CUDA target it supports and the plain loop elsewhere; on (True) insists and
     says why it cannot; off (False) never uses it."""
-    from flashdraft.spec.generate import use_engine
+    from flashdraft.speculative.generate import use_engine
     from flashdraft.tiny_configs import build_tiny_target
 
     cpu = build_tiny_target("qwen3_5")

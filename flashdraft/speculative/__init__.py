@@ -1,13 +1,13 @@
 """Speculative decoding: DFlash generation, exact cache rollback, baselines and the `flashdraft eval` harness.
 
-from flashdraft.spec import generate, autoregressive_generate, prompt_lookup_generate
+from flashdraft.speculative import generate, autoregressive_generate, prompt_lookup_generate
 result = generate(target, drafter, input_ids, max_new_tokens=256)
 print(result.tau, result.tokens_per_second)
 """
 
-from flashdraft.spec.baselines import PromptLookupProposer, autoregressive_generate, prompt_lookup_generate
-from flashdraft.spec.generate import DFlashProposer, GenerationResult, generate, speculative_decode
-from flashdraft.spec.sampling import rejection_sample, sampling_probs
+from flashdraft.speculative.baselines import PromptLookupProposer, autoregressive_generate, prompt_lookup_generate
+from flashdraft.speculative.generate import DFlashProposer, GenerationResult, generate, speculative_decode
+from flashdraft.speculative.sampling import rejection_sample, sampling_probs
 
 __all__ = [
     "DFlashProposer",

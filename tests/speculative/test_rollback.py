@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from flashdraft.spec import state
+from flashdraft.speculative import rollback
 from flashdraft.tiny_configs import ALL_FAMILIES, HYBRID_FAMILIES
 from flashdraft.versions import cache_kwargs
 
@@ -28,12 +28,12 @@ def _ids(seed: int = 0) -> torch.Tensor:
 @torch.inference_mode()
 def _ours(target, ids: torch.Tensor, keep: int) -> torch.Tensor:
     """Prefill, verify a block of 8, keep `keep`, then feed what the cache lacks plus AFTER more tokens."""
-    cache = state.new_cache(target)
+    cache = rollback.new_cache(target)
     target(ids[:, :PREFIX], use_cache=True, **cache_kwargs(cache))
-    snap = state.take_snapshot(cache)
+    snap = rollback.take_snapshot(cache)
     target(ids[:, PREFIX : PREFIX + BLOCK], use_cache=True, **cache_kwargs(cache))
-    committed = PREFIX + state.rollback(cache, snap, keep)
-    assert state.kv_length(cache) == committed
+    committed = PREFIX + rollback.rollback(cache, snap, keep)
+    assert rollback.kv_length(cache) == committed
     return target(ids[:, committed : PREFIX + keep + AFTER], use_cache=True, **cache_kwargs(cache)).logits[:, -AFTER:]
 
 
@@ -76,17 +76,17 @@ def test_rollback_equals_a_forward_without_cache(target):
 
 
 def test_rollback_reports_what_the_cache_kept(target):
-    hybrid = state.is_hybrid(state.new_cache(target))
+    hybrid = rollback.is_hybrid(rollback.new_cache(target))
     ids = _ids(1)
     with torch.inference_mode():
-        cache = state.new_cache(target)
+        cache = rollback.new_cache(target)
         target(ids[:, :PREFIX], use_cache=True, **cache_kwargs(cache))
-        snap = state.take_snapshot(cache)
+        snap = rollback.take_snapshot(cache)
         target(ids[:, PREFIX : PREFIX + 4], use_cache=True, **cache_kwargs(cache))
-        assert state.rollback(cache, snap, 2) == (0 if hybrid else 2)
-        assert state.kv_length(cache) == PREFIX + (0 if hybrid else 2)
+        assert rollback.rollback(cache, snap, 2) == (0 if hybrid else 2)
+        assert rollback.kv_length(cache) == PREFIX + (0 if hybrid else 2)
         with pytest.raises(ValueError, match="keep must be in"):
-            state.rollback(cache, snap, 99)
+            rollback.rollback(cache, snap, 99)
 
 
 def _counts_linear_tokens() -> bool:
@@ -99,7 +99,7 @@ def _counts_linear_tokens() -> bool:
     _counts_linear_tokens(),
     strict=True,
     reason="transformers counts the tokens of each linear-attention cache layer (cumulative_length_linear) and "
-    "answers cache.get_seq_length() from layer 0 with it; state.restore puts the states back but not that "
+    "answers cache.get_seq_length() from layer 0 with it; rollback.restore puts the states back but not that "
     "counter, so later tokens get positions shifted by the rolled-back ones (remove this mark with the fix)",
 )
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
@@ -108,12 +108,12 @@ def test_rollback_puts_back_the_length_the_model_reads(family):
     model = tiny_target(family, seed=3)
     ids = _ids(3)
     with ready(model), torch.inference_mode():
-        cache = state.new_cache(model)
+        cache = rollback.new_cache(model)
         model(ids[:, :PREFIX], past_key_values=cache, use_cache=True)
-        snap = state.take_snapshot(cache)
+        snap = rollback.take_snapshot(cache)
         model(ids[:, PREFIX : PREFIX + 4], past_key_values=cache, use_cache=True)
-        state.rollback(cache, snap, 2)
-        assert int(cache.get_seq_length()) == state.kv_length(cache) == PREFIX
+        rollback.rollback(cache, snap, 2)
+        assert int(cache.get_seq_length()) == rollback.kv_length(cache) == PREFIX
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES[:1])
@@ -122,16 +122,16 @@ def test_snapshot_buffers_are_reused_and_independent_of_in_place_updates(family)
     model = tiny_target(family, seed=2)
     ids = _ids(2)
     with ready(model), torch.inference_mode():
-        cache = state.new_cache(model)
+        cache = rollback.new_cache(model)
         model(ids[:, :PREFIX], use_cache=True, **cache_kwargs(cache))
-        snap = state.take_snapshot(cache)
+        snap = rollback.take_snapshot(cache)
         buffers = {key: t.data_ptr() for key, t in snap.conv.items()}
         model(ids[:, PREFIX : PREFIX + 1], use_cache=True, **cache_kwargs(cache))
-        state.rollback(cache, snap, 0)
+        rollback.rollback(cache, snap, 0)
         expected = model(ids[:, : PREFIX + 1]).logits[:, -1]
         got = model(ids[:, PREFIX : PREFIX + 1], use_cache=True, **cache_kwargs(cache)).logits[:, -1]
         assert (got - expected).abs().max().item() <= 1e-10
-        again = state.take_snapshot(cache, reuse=snap)
+        again = rollback.take_snapshot(cache, reuse=snap)
         assert again is snap and {key: t.data_ptr() for key, t in snap.conv.items()} == buffers
 
 
@@ -141,4 +141,4 @@ def test_unsupported_cache_layers_are_refused():
     cache = DynamicCache()
     cache.layers = [DynamicSlidingWindowLayer(sliding_window=4)]
     with pytest.raises(ValueError, match="DynamicSlidingWindowLayer"):
-        state.take_snapshot(cache)
+        rollback.take_snapshot(cache)

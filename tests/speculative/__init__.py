@@ -1,4 +1,4 @@
-"""Tests of flashdraft.spec, and the helpers they share (tiny targets and drafters).
+"""Tests of flashdraft.speculative, and the helpers they share (tiny targets and drafters).
 
 transformers' torch reference of the gated delta rule computes in float32 even for a float64 model, which
 limits any comparison to ~1e-8. `exact_targets` therefore also installs a float64 delta rule (`exact_delta_rule`,
@@ -158,13 +158,13 @@ def reference_greedy(target, prompt: torch.Tensor, max_new_tokens: int, stop_tok
 @contextlib.contextmanager
 def recorded_forwards(target):
     """Records every cached forward of `target` while open: (tokens already in the cache, fed ids, logits)."""
-    from flashdraft.spec import state
+    from flashdraft.speculative import rollback
 
     records, starts = [], []
 
     def before(module, args, kwargs):
         cache = kwargs.get("past_key_values")
-        starts.append(state.kv_length(cache) if cache is not None else 0)
+        starts.append(rollback.kv_length(cache) if cache is not None else 0)
 
     def after(module, args, kwargs, output):
         ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from flashdraft.drafter.model import _rotate
-from flashdraft.spec.engine import ops
-from flashdraft.spec.engine.graphs import Step, capture_all
-from flashdraft.spec.engine.target import TargetEngine
+from flashdraft.speculative.engine import ops
+from flashdraft.speculative.engine.graphs import Step, capture_all
+from flashdraft.speculative.engine.target_runner import TargetEngine
 
 
 class DrafterRunner:

@@ -1,6 +1,6 @@
 """Decoding over the engine: DFlash, prompt lookup and autoregressive, with the statistics of the plain loop.
 
-    from flashdraft.spec.engine.loop import engine_decode
+    from flashdraft.speculative.engine.session import engine_decode
     result = engine_decode(target, input_ids, 256, drafter=drafter)          # DFlash
     result = engine_decode(target, input_ids, 256)                           # autoregressive
     result = engine_decode(target, input_ids, 256, lookup=PromptLookupProposer(), block_size=16)
@@ -23,10 +23,16 @@ import warnings
 import torch
 
 from flashdraft import fastpath
-from flashdraft.spec.engine.drafter import DrafterRunner
-from flashdraft.spec.engine.target import TargetEngine, unsupported_reason
-from flashdraft.spec.generate import GenerationResult
-from flashdraft.spec.sampling import next_token, rejection_sample_tensors, sample, sampling_probs, validate_sampling
+from flashdraft.speculative.engine.drafter_runner import DrafterRunner
+from flashdraft.speculative.engine.target_runner import TargetEngine, unsupported_reason
+from flashdraft.speculative.generate import GenerationResult
+from flashdraft.speculative.sampling import (
+    next_token,
+    rejection_sample_tensors,
+    sample,
+    sampling_probs,
+    validate_sampling,
+)
 
 # Context lengths are rounded up to this many tokens, so that nearby prompt lengths reuse one engine.
 LENGTH_QUANTUM = 512
