@@ -46,8 +46,8 @@ def is_switch(setting: Any) -> bool:
 
 @dataclass(kw_only=True)
 class TargetConfig:
-    path: str = "embedded"
-    """Target model: a local HF directory, a hub id (only when online), or "embedded" (the package's tiny target)."""
+    path: str = "bundled"
+    """Target model: a local HF directory, a hub id (only when online), or "bundled" (the package's tiny target)."""
     dtype: str = "auto"
     """auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32."""
     trust_remote_code: bool = False
@@ -78,16 +78,16 @@ class DrafterConfig:
     mask_token_id: int | None = None
     """Token id of MASK; default chosen from the tokenizer's unused ids (see flashdraft.drafter.mask_token)."""
     init_from: str | None = None
-    """An existing drafter checkpoint to fine-tune instead of a fresh initialisation ('embedded': the shipped one,
-    trained for the embedded target)."""
+    """An existing drafter checkpoint to fine-tune instead of a fresh initialisation ('bundled': the shipped one,
+    trained for the bundled target)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Qwen3 config fields of the drafter that differ from the target's (e.g. intermediate_size)."""
 
 
 @dataclass(kw_only=True)
 class DataConfig:
-    train: list[str] = field(default_factory=lambda: ["embedded"])
-    """Training data: JSONL/Parquet paths, globs or s3:// URLs, or "embedded" (the package's small dataset)."""
+    train: list[str] = field(default_factory=lambda: ["bundled"])
+    """Training data: JSONL/Parquet paths, globs or s3:// URLs, or "bundled" (the package's small dataset)."""
     tokenizer: str | None = None
     """Tokenizer directory; default: the target's."""
     format: str = "auto"
@@ -105,9 +105,9 @@ class DataConfig:
     features: str | None = None
     """Offline training: a directory (local or s3://) of target features written by `flashdraft features`; train
     reads them instead of running the target (which is then not loaded). Null: online (the target runs)."""
-    eval_prompts: str | None = "embedded"
-    """JSONL of held-out prompts ({"prompt"} or {"messages"}) for the measured τ at the end of training; "embedded"
-    uses the package's prompts when training on the embedded data; null skips it."""
+    eval_prompts: str | None = "bundled"
+    """JSONL of held-out prompts ({"prompt"} or {"messages"}) for the measured τ at the end of training; "bundled"
+    uses the package's prompts when training on the bundled data; null skips it."""
     eval_limit: int = 4
     """Held-out prompts decoded for the measured τ."""
     eval_max_new_tokens: int = 48

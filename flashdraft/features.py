@@ -364,7 +364,7 @@ def add_parser(sub) -> None:
     from flashdraft.train.cli import add_nproc_argument
 
     p = sub.add_parser("features", help="capture the target's features of the training data for offline training")
-    p.add_argument("--config", default=None, help="YAML config of the training run (default: the embedded one)")
+    p.add_argument("--config", default=None, help="YAML config of the training run (default: the bundled one)")
     p.add_argument("--out", default=None, help="features directory, local or s3:// (default: data.features)")
     add_nproc_argument(p)
     p.add_argument("overrides", nargs="*", metavar="section.field=value", help="dotted overrides, as for train")
@@ -376,7 +376,7 @@ def run(args) -> int:
 
     from rich.console import Console
 
-    from flashdraft import embedded
+    from flashdraft import bundled
     from flashdraft.config import load_config
     from flashdraft.train import distributed
     from flashdraft.train.cli import relaunch_argv
@@ -384,7 +384,7 @@ def run(args) -> int:
     if args.nproc is not None and not distributed.launched():
         return distributed.launch(args.nproc, relaunch_argv(args, "features"))
     _logging.basicConfig(level=_logging.INFO, format="%(message)s")
-    cfg = load_config(args.config or embedded.ASSETS / "train.yaml", args.overrides)
+    cfg = load_config(args.config or bundled.ASSETS / "train.yaml", args.overrides)
     out = args.out or cfg.data.features
     if not out:
         raise ValueError("features: where to? give --out DIR (local or s3://) or data.features=DIR")

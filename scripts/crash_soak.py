@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Crash soak: `kill -9` the CPU training of the embedded default at chosen and random moments, resume, and prove
+"""Crash soak: `kill -9` the CPU training of the bundled default at chosen and random moments, resume, and prove
 that nothing was lost.
 
     python scripts/crash_soak.py                                   # 20 kills, seed 0, 40 steps: ~2.5 min on 2 cores
@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: Short overrides of the embedded default: the CPU even where there is a GPU, a log line per step, a checkpoint every 2 steps (a kill between two
+#: Short overrides of the bundled default: the CPU even where there is a GPU, a log line per step, a checkpoint every 2 steps (a kill between two
 #: checkpoints leaves metrics lines the resumed run must drop), a single short measured-tau prompt at the end.
 OVERRIDES = [
     "train.device=cpu",
@@ -649,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="crash_soak-"))
     logging.getLogger("flashdraft").setLevel(logging.ERROR)  # the damaged checkpoints' warnings are expected
     print(
-        f"crash soak: {args.kills} kills, seed {args.seed}, {args.steps} steps of the embedded default; "
+        f"crash soak: {args.kills} kills, seed {args.seed}, {args.steps} steps of the bundled default; "
         f"runs and logs in {workdir}",
         flush=True,
     )

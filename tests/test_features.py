@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashdraft import embedded
+from flashdraft import bundled
 from flashdraft.config import load_config
 from flashdraft.features import FeatureStore, write_features
 from flashdraft.train import loop
@@ -23,14 +23,14 @@ RUN = ["train.max_steps=3", "log.every=1", "log.checkpoint_every=3", "data.eval_
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    """The first 24 records of the embedded data: the CPU captures one sequence at a time."""
+    """The first 24 records of the bundled data: the CPU captures one sequence at a time."""
     path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    path.write_text("".join(embedded.ASSETS.joinpath("train.jsonl").read_text().splitlines(keepends=True)[:24]))
+    path.write_text("".join(bundled.ASSETS.joinpath("train.jsonl").read_text().splitlines(keepends=True)[:24]))
     return path
 
 
 def _cfg(data: Path, out: Path, *extra: str):
-    return load_config(embedded.ASSETS / "train.yaml", [*RUN, f"data.train=[{data}]", f"log.out={out}", *extra])
+    return load_config(bundled.ASSETS / "train.yaml", [*RUN, f"data.train=[{data}]", f"log.out={out}", *extra])
 
 
 def _losses(out: Path) -> list[float]:

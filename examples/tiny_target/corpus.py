@@ -117,7 +117,7 @@ def build(
 
 
 def main(argv: list[str] | None = None) -> None:
-    default_tok = Path(__file__).resolve().parents[2] / "flashdraft" / "assets" / "embedded" / "tokenizer"
+    default_tok = Path(__file__).resolve().parents[2] / "flashdraft" / "bundled" / "tokenizer"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("build/tiny_target/corpus"))
     p.add_argument("--tokenizer", type=Path, default=default_tok)

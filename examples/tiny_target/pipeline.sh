@@ -2,7 +2,7 @@
 # The bundled target and its drafter, end to end; each stage is one command, runnable on its own (README.md).
 #   bash examples/tiny_target/pipeline.sh                      # corpus, target, regen, drafter, eval (one GPU)
 #   STAGES="target regen" bash examples/tiny_target/pipeline.sh
-#   TARGET=embedded STAGES="corpus regen drafter eval" bash ...   # on the bundled target, as its drafter was made
+#   TARGET=bundled STAGES="corpus regen drafter eval" bash ...   # on the bundled target, as its drafter was made
 # Stages:
 #   corpus   python examples/tiny_target/corpus.py                      stdlib source -> tokens + prompts
 #   target   python examples/tiny_target/train_target.py                the tiny hybrid Qwen3.5 target (<= 5 min)
@@ -20,7 +20,7 @@ stage() { [[ " $STAGES " == *" $1 "* ]]; }
 t() { local s=$(date +%s); "$@"; echo "[stage time] $(( $(date +%s) - s )) s: $*"; }
 
 stage corpus && t python3 examples/tiny_target/corpus.py --out "$B/corpus"
-stage target && [ "$TARGET" != embedded ] && t python3 examples/tiny_target/train_target.py --corpus "$B/corpus" --out "$B/target" ${TARGET_ARGS:-}
+stage target && [ "$TARGET" != bundled ] && t python3 examples/tiny_target/train_target.py --corpus "$B/corpus" --out "$B/target" ${TARGET_ARGS:-}
 if stage regen; then
   for temp in 0 1; do
     # T=1 on the first REGEN_T1_LIMIT prompts (the held-out τ that matters most is T=0's).

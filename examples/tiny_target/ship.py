@@ -1,11 +1,11 @@
-"""Ship a tiny-target drafter as the package's embedded default (flashdraft/assets/embedded/).
+"""Ship a tiny-target drafter as the package's bundled default (flashdraft/bundled/).
 
     python examples/tiny_target/ship.py --drafter build/tiny_target/drafter_run/checkpoints/step_00003044/drafter
 
 Writes, each replaced atomically:
   drafter/      the drafter in bf16 (config + safetensors): what `flashdraft train` fine-tunes and `flashdraft eval`
                 falls back to;
-  train.jsonl   a seeded sample of the regenerated rows, T=0 and T=1 (what the embedded default trains on, on a CPU);
+  train.jsonl   a seeded sample of the regenerated rows, T=0 and T=1 (what the bundled default trains on, on a CPU);
   eval.jsonl    the held-out prompts (files neither the target nor the drafter saw).
 The target and tokenizer are not touched: they ship from examples/tiny_target/train_target.py's run.
 """
@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parents[2] / "flashdraft" / "assets" / "embedded"
+ASSETS = Path(__file__).resolve().parents[2] / "flashdraft" / "bundled"
 
 
 def _replace(path: Path, write) -> None:

@@ -1,10 +1,10 @@
-"""Train the tiny hybrid target that ships as flashdraft's embedded default (an H200 in under 5 minutes).
+"""Train the tiny hybrid target that ships as flashdraft's bundled default (an H200 in under 5 minutes).
 
     python examples/tiny_target/train_target.py --corpus build/tiny_target/corpus --out build/tiny_target/target
 
 A Qwen3.5-architecture causal LM (Gated DeltaNet linear-attention layers and gated full-attention layers, 3:1)
 small enough to ship in the package (≤ 15 MB in bf16), trained on the standard library's source (corpus.py) with
-the embedded BPE tokenizer. Random windows of `--seq` tokens, AdamW, cosine schedule, bf16 autocast with float32
+the bundled BPE tokenizer. Random windows of `--seq` tokens, AdamW, cosine schedule, bf16 autocast with float32
 master weights; held-out loss every `--eval-every` steps. Writes a Hugging Face directory (config, bf16 safetensors,
 tokenizer), metrics.jsonl and loss_curve.png. `--smoke` runs a few CPU-sized steps to check the script.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-TOKENIZER = Path(__file__).resolve().parents[2] / "flashdraft" / "assets" / "embedded" / "tokenizer"
+TOKENIZER = Path(__file__).resolve().parents[2] / "flashdraft" / "bundled" / "tokenizer"
 
 
 def target_config(vocab_size: int):

@@ -229,7 +229,7 @@ def regenerate(target, tokenizer, data: list[str], out: str | Path, *, temperatu
 
 def add_parser(sub) -> None:
     p = sub.add_parser("regenerate", help="rewrite training responses with the target itself (resumable)")
-    p.add_argument("--target", required=True, help="target model directory, or 'embedded'")
+    p.add_argument("--target", required=True, help="target model directory, or 'bundled'")
     p.add_argument(
         "--data", required=True, action="append", help="input JSONL/Parquet (path, glob or s3://); repeatable"
     )
@@ -250,7 +250,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from rich.console import Console
 
-    from flashdraft import embedded, fastpath
+    from flashdraft import bundled, fastpath
 
     for name in ("max_new_tokens", "batch_size"):
         if getattr(args, name) < 1:
@@ -264,13 +264,13 @@ def run(args) -> int:
     if backend != "hf":
         from transformers import AutoTokenizer
 
-        if args.target == embedded.EMBEDDED or not Path(args.target).is_dir():
+        if args.target == bundled.BUNDLED or not Path(args.target).is_dir():
             raise ValueError(f"--backend {backend} needs a model directory as --target, got {args.target!r}")
         tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code)
         engine = {"vllm": VLLMGenerator, "sglang": SGLangGenerator}[backend]
         model = engine(args.target, args.trust_remote_code, args.seed)
-    elif args.target == embedded.EMBEDDED:
-        tokenizer, model = embedded.load_tokenizer(), embedded.build_target(dtype=dtype, device=device)
+    elif args.target == bundled.BUNDLED:
+        tokenizer, model = bundled.load_tokenizer(), bundled.build_target(dtype=dtype, device=device)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

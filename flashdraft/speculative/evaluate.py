@@ -439,23 +439,23 @@ def check_fit(drafter, target, tokenizer, drafter_name: str, target_name: str) -
 
 
 def run(args) -> int:
-    from flashdraft import embedded
+    from flashdraft import bundled
 
     if not args.target and not args.drafter:
-        # The embedded default: its tiny trained target, the drafter `flashdraft train` wrote to runs/default (or,
+        # The bundled default: its tiny trained target, the drafter `flashdraft train` wrote to runs/default (or,
         # before any run, the drafter shipped with it), its held-out prompts.
         from flashdraft.train.checkpoint import CheckpointManager
 
-        latest = CheckpointManager(embedded.DEFAULT_RUN).latest() if embedded.DEFAULT_RUN.is_dir() else None
+        latest = CheckpointManager(bundled.DEFAULT_RUN).latest() if bundled.DEFAULT_RUN.is_dir() else None
         if latest is None:
-            print(f"flashdraft eval: no run in {embedded.DEFAULT_RUN}: evaluating the drafter shipped with the "
-                  "embedded target", file=sys.stderr)  # fmt: skip
-        args.target = embedded.EMBEDDED
-        args.drafter = str(embedded.drafter_dir() if latest is None else latest / "drafter")
-        args.prompts = args.prompts or str(embedded.eval_prompts())
+            print(f"flashdraft eval: no run in {bundled.DEFAULT_RUN}: evaluating the drafter shipped with the "
+                  "bundled target", file=sys.stderr)  # fmt: skip
+        args.target = bundled.BUNDLED
+        args.drafter = str(bundled.drafter_dir() if latest is None else latest / "drafter")
+        args.prompts = args.prompts or str(bundled.eval_prompts())
     if not args.target or not args.drafter:
         print(
-            "flashdraft eval: give both --target and --drafter (or neither, for the embedded default)", file=sys.stderr
+            "flashdraft eval: give both --target and --drafter (or neither, for the bundled default)", file=sys.stderr
         )
         return EXIT_BAD_INPUT
     if (Path(args.drafter) / "checkpoints").is_dir():  # a training run's directory: its latest checkpoint
@@ -490,9 +490,9 @@ def run(args) -> int:
     from flashdraft.target import check_checkpoint, resolve_model_dir
 
     device, dtype = _device_and_dtype(args.device, args.dtype)
-    if args.target == embedded.EMBEDDED:
-        tokenizer = embedded.load_tokenizer()
-        target = embedded.build_target(dtype=dtype, device=device).eval()
+    if args.target == bundled.BUNDLED:
+        tokenizer = bundled.load_tokenizer()
+        target = bundled.build_target(dtype=dtype, device=device).eval()
     else:
         # A hub id is read from the cache unless HF_HUB_OFFLINE=0 (no silent downloads); safetensors only.
         directory = resolve_model_dir(args.target, what="target")

@@ -1,7 +1,7 @@
 """`flashdraft bench train-step`: how fast flashdraft's own training step runs on this machine.
 
     flashdraft bench train-step --config examples/qwen3.5-27b.yaml            # the config's target and drafter
-    flashdraft bench train-step                                               # the embedded default (a CPU)
+    flashdraft bench train-step                                               # the bundled default (a CPU)
     flashdraft bench train-step --config C.yaml --seq 8192 --steps 5 train.compile=false --json out.json
 
 It builds the target and the drafter as `flashdraft train` does and runs `loop.train_step` — the function the
@@ -192,7 +192,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure speed on this machine (train-step)")
     inner = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     t = inner.add_parser("train-step", help="time flashdraft's training step on a config's target and drafter")
-    t.add_argument("--config", default=None, help="YAML config (see examples/); default: the embedded default")
+    t.add_argument("--config", default=None, help="YAML config (see examples/); default: the bundled default")
     t.add_argument("--seq", type=int, default=None, help="sequence length in tokens (default: data.max_length)")
     t.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
     t.add_argument("--steps", type=int, default=4, help="timed steps")
@@ -208,14 +208,14 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import logging
 
-    from flashdraft import embedded
+    from flashdraft import bundled
     from flashdraft.config import load_config
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.warmup < 0 or args.steps < 1:
         raise ValueError(f"--warmup {args.warmup} / --steps {args.steps}: need warmup >= 0 and steps >= 1")
     overrides = list(args.overrides) + ([f"data.max_length={args.seq}"] if args.seq is not None else [])
-    cfg = load_config(args.config or embedded.ASSETS / "train.yaml", overrides)
+    cfg = load_config(args.config or bundled.ASSETS / "train.yaml", overrides)
     target, tokenizer = load_bench_target(cfg)
     s = bench_setup(cfg, target, tokenizer=tokenizer, steps=args.warmup + args.steps)
     print(f"target: {target.name_or_path or cfg.target.path}, {len(target.decoder.layers)} layers run, "
@@ -242,18 +242,18 @@ def load_bench_target(cfg):
     """The config's frozen target and tokenizer, as `loop.setup` loads them."""
     from transformers import AutoTokenizer
 
-    from flashdraft import embedded
+    from flashdraft import bundled
     from flashdraft.target import FrozenTarget, load_target
     from flashdraft.train.loop import _default_ids, _device, _dtype, captured_layer_ids
 
     device = _device(cfg.train.device)
     dtype = _dtype(cfg.target.dtype, device)
     torch.manual_seed(cfg.train.seed)
-    if cfg.target.path == embedded.EMBEDDED:
-        model = embedded.build_target(dtype=dtype, device=device)
+    if cfg.target.path == bundled.BUNDLED:
+        model = bundled.build_target(dtype=dtype, device=device)
         ids = captured_layer_ids(cfg) or _default_ids(model.config.num_hidden_layers, cfg.drafter.num_layers)
         target = FrozenTarget.from_model(model, ids)
-        tokenizer_path = cfg.data.tokenizer or str(embedded.tokenizer_dir())
+        tokenizer_path = cfg.data.tokenizer or str(bundled.tokenizer_dir())
     else:
         target = load_target(cfg.target.path, target_layer_ids=captured_layer_ids(cfg), dtype=dtype,
                              device=device, trust_remote_code=cfg.target.trust_remote_code,

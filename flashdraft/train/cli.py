@@ -11,8 +11,8 @@ import signal
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a DFlash drafter (no arguments: the embedded default on this machine)")
-    p.add_argument("--config", default=None, help="YAML config (see examples/); default: the embedded default")
+    p = sub.add_parser("train", help="train a DFlash drafter (no arguments: the bundled default on this machine)")
+    p.add_argument("--config", default=None, help="YAML config (see examples/); default: the bundled default")
     p.add_argument("--out", default=None, help="output directory (overrides log.out)")
     p.add_argument(
         "--resume",
@@ -38,7 +38,7 @@ def run(args) -> int:
         return 0
     import logging
 
-    from flashdraft import embedded
+    from flashdraft import bundled
     from flashdraft.io import lock
 
     if args.nproc is not None:
@@ -52,8 +52,8 @@ def run(args) -> int:
     if args.out and given_out and given_out[-1] != args.out:
         raise ValueError(f"--out {args.out} and log.out={given_out[-1]} disagree: give one of them")
     overrides = list(args.overrides) + ([f"log.out={args.out}"] if args.out else [])
-    # No --config: the embedded default (a CPU-sized run), not the paper-scale defaults of the dataclasses.
-    cfg = load_config(args.config or embedded.ASSETS / "train.yaml", overrides)
+    # No --config: the bundled default (a CPU-sized run), not the paper-scale defaults of the dataclasses.
+    cfg = load_config(args.config or bundled.ASSETS / "train.yaml", overrides)
     # One writer per output directory, taken before torch loads: a second run on it stops within a second.
     with lock.hold(cfg.log.out, "train"):
         return _run(args, cfg, console)
@@ -92,12 +92,12 @@ def preflight(cfg, resume: bool = False) -> None:
     data are left to their loaders (which refuse uncached hub ids unless HF_HUB_OFFLINE=0)."""
     from pathlib import Path
 
-    from flashdraft import embedded
+    from flashdraft import bundled
     from flashdraft.data.sources import resolve_sources
     from flashdraft.target import is_hub_id
 
     def local(value: str | None) -> Path | None:
-        if value is None or value == embedded.EMBEDDED or is_hub_id(value) and not Path(value).exists():
+        if value is None or value == bundled.BUNDLED or is_hub_id(value) and not Path(value).exists():
             return None
         return Path(value).expanduser()
 
@@ -110,7 +110,7 @@ def preflight(cfg, resume: bool = False) -> None:
         raise FileNotFoundError(
             f"data.eval_prompts = {cfg.data.eval_prompts}: no such file (null skips the measured τ)"
         )
-    specs = [s for s in cfg.data.train if s != embedded.EMBEDDED and "://" not in s]
+    specs = [s for s in cfg.data.train if s != bundled.BUNDLED and "://" not in s]
     if specs:
         resolve_sources(specs)  # a missing file or an empty glob: a DataError naming the spec
     if resume:

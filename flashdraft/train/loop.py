@@ -1,6 +1,6 @@
 """The DFlash training loop: frozen target → context features → packed blocks → drafter → chunked loss.
 
-    flashdraft train                                     # the embedded default: a laptop CPU, a few minutes
+    flashdraft train                                     # the bundled default: a laptop CPU, a few minutes
     flashdraft train --config examples/tiny.yaml --out runs/tiny train.max_steps=50
     flashdraft train --config examples/qwen3.5-27b.yaml --resume
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from flashdraft import embedded
+from flashdraft import bundled
 from flashdraft.config import RunConfig, to_dict
 from flashdraft.drafter import DFlashDraftModel
 from flashdraft.train import distributed
@@ -421,8 +421,8 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
     load_on = torch.device("cpu") if cfg.target.shard and distributed.world().size > 1 else device
     torch.manual_seed(cfg.train.seed)
     features = None
-    if cfg.target.path == embedded.EMBEDDED:
-        tokenizer_path = cfg.data.tokenizer or str(embedded.tokenizer_dir())
+    if cfg.target.path == bundled.BUNDLED:
+        tokenizer_path = cfg.data.tokenizer or str(bundled.tokenizer_dir())
     else:
         tokenizer_path = cfg.data.tokenizer or cfg.target.path
     if offline:
@@ -430,8 +430,8 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
 
         features = FeatureStore(cfg.data.features, device=device, s3=cfg.s3)
         target = features.head_target(layer_ids)
-    elif cfg.target.path == embedded.EMBEDDED:
-        model = embedded.build_target(dtype=dtype, device=load_on)
+    elif cfg.target.path == bundled.BUNDLED:
+        model = bundled.build_target(dtype=dtype, device=load_on)
         ids = layer_ids or _default_ids(model.config.num_hidden_layers, cfg.drafter.num_layers)
         target = FrozenTarget.from_model(model, ids)
     else:
@@ -445,7 +445,7 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
-    sources = embedded.train_data() if cfg.data.train == [embedded.EMBEDDED] else cfg.data.train
+    sources = bundled.train_data() if cfg.data.train == [bundled.BUNDLED] else cfg.data.train
     # Rank 0 tokenises (or finds the shards already there); the others then reuse its shards.
     with distributed.main_first():
         prepared = prepare_shards(
@@ -474,7 +474,7 @@ def captured_layer_ids(cfg: RunConfig) -> list[int] | None:
 
 
 def _init_from_dir(cfg: RunConfig) -> Path:
-    return embedded.drafter_dir() if cfg.drafter.init_from == embedded.EMBEDDED else Path(cfg.drafter.init_from)
+    return bundled.drafter_dir() if cfg.drafter.init_from == bundled.BUNDLED else Path(cfg.drafter.init_from)
 
 
 def _drafter(cfg: RunConfig, target, tokenizer) -> DFlashDraftModel:
@@ -532,10 +532,10 @@ def measure_tau(cfg: RunConfig, s: Setup, json_out: Path | None = None, drafter=
     a plain (unsharded) drafter to decode with, default `s.drafter`.
     """
     prompts_path = cfg.data.eval_prompts
-    if prompts_path == embedded.EMBEDDED:
-        if cfg.data.train != [embedded.EMBEDDED]:
+    if prompts_path == bundled.BUNDLED:
+        if cfg.data.train != [bundled.BUNDLED]:
             return None
-        prompts_path = str(embedded.eval_prompts())
+        prompts_path = str(bundled.eval_prompts())
     if prompts_path is None:
         return None
     from flashdraft import fastpath
@@ -543,8 +543,8 @@ def measure_tau(cfg: RunConfig, s: Setup, json_out: Path | None = None, drafter=
     from flashdraft.speculative.generate import generate, use_engine
 
     if s.full_target is None:
-        if cfg.target.path == embedded.EMBEDDED:
-            full = embedded.build_target(dtype=s.target.dtype, device=s.device)
+        if cfg.target.path == bundled.BUNDLED:
+            full = bundled.build_target(dtype=s.target.dtype, device=s.device)
         else:
             from transformers import AutoModelForCausalLM
 

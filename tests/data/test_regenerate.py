@@ -1,17 +1,17 @@
-"""`flashdraft regenerate` on the embedded target: shapes of the output, batching, resume, bad records."""
+"""`flashdraft regenerate` on the bundled target: shapes of the output, batching, resume, bad records."""
 
 import json
 
 import pytest
 
-from flashdraft import embedded
+from flashdraft import bundled
 from flashdraft.data import DataError
 from flashdraft.data.regenerate import regenerate
 
 
 @pytest.fixture(scope="module")
 def target_and_tokenizer():
-    return embedded.build_target().eval(), embedded.load_tokenizer()
+    return bundled.build_target().eval(), bundled.load_tokenizer()
 
 
 def _write(path, rows):
@@ -125,7 +125,7 @@ def test_vllm_backend_is_driven_through_its_offline_api(tmp_path, monkeypatch):
     assert choose_backend("auto", torch.device("cpu")) == "hf"  # serving engines are GPU programs
     src = _write(tmp_path / "in.jsonl", ROWS[:1] + ROWS[3:])
     generator = VLLMGenerator("/models/target", trust_remote_code=False, seed=7)
-    counts = regenerate(generator, embedded.load_tokenizer(), [str(src)], tmp_path / "o.jsonl", temperature=0.7,
+    counts = regenerate(generator, bundled.load_tokenizer(), [str(src)], tmp_path / "o.jsonl", temperature=0.7,
                         max_new_tokens=5, batch_size=2, progress=False)  # fmt: skip
     assert counts["written"] == 3
     assert calls[0] == ("init", {"model": "/models/target", "trust_remote_code": False, "seed": 7})

@@ -5,7 +5,7 @@ data, eval prompts, regeneration input, an offline features index (`PROMPTS`, `R
 
 Most cases call `flashdraft.cli.main` in-process (capsys); a representative subset runs `python -m flashdraft` in a
 subprocess (`SUBPROCESS`), since the exit code and the absence of a traceback are what users see. The corpus is
-built by the `corpus` fixture in a temporary directory: data files, YAML configs, a tiny target (with the embedded
+built by the `corpus` fixture in a temporary directory: data files, YAML configs, a tiny target (with the bundled
 tokenizer), drafters that fit it and drafters that do not, and broken checkpoints.
 
 Decisions recorded here: `recipe.num_anchors` above `data.max_length` is a warning, not an error (anchors are drawn
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashdraft import cli, embedded
+from flashdraft import bundled, cli
 from flashdraft.io import lock
 
 WIDTH = 250  # console columns: summary tables and messages are not wrapped, so fragments match
@@ -336,17 +336,17 @@ def corpus(tmp_path_factory) -> dict[str, str]:
     paths["cfg_binary"] = str(root / "cfg_binary.yaml")
 
     tok = root / "tok"
-    shutil.copytree(embedded.tokenizer_dir(), tok)
+    shutil.copytree(bundled.tokenizer_dir(), tok)
     plain = root / "tok_plain"
     shutil.copytree(tok, plain)
     (plain / "chat_template.jinja").unlink()
     paths.update(tok=str(tok), tok_plain=str(plain))
-    paths.update(_models(root / "models", embedded.load_tokenizer()))
+    paths.update(_models(root / "models", bundled.load_tokenizer()))
     return paths
 
 
 def _models(root: Path, tokenizer) -> dict[str, str]:
-    """A tiny Qwen3 target (4 layers, hidden 64, the embedded tokenizer), drafters that fit it or not, broken dirs."""
+    """A tiny Qwen3 target (4 layers, hidden 64, the bundled tokenizer), drafters that fit it or not, broken dirs."""
     from flashdraft.drafter import DFlashDraftModel
     from flashdraft.tiny_configs import build_tiny_target, tiny_config
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashdraft import cli, embedded
+from flashdraft import bundled, cli
 
 CANARIES = {
     "AWS_ACCESS_KEY_ID": "AKIAFDCANARYKEYID000",
@@ -34,7 +34,7 @@ CANARIES = {
 _AWS_OTHER = ("AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
               "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
               "AWS_CONTAINER_CREDENTIALS_FULL_URI")  # fmt: skip
-TOKENIZER = str(embedded.tokenizer_dir())
+TOKENIZER = str(bundled.tokenizer_dir())
 
 
 def leaked(text: str | bytes) -> list[str]:
@@ -209,7 +209,7 @@ def init(**kwargs):
 
 
 def test_training_run_writes_no_secret(tmp_path):
-    """A short embedded run with the wandb tracker named: stdout, stderr and every file under OUT are clean."""
+    """A short bundled run with the wandb tracker named: stdout, stderr and every file under OUT are clean."""
     import importlib.util
 
     out = tmp_path / "run"
@@ -240,14 +240,14 @@ def test_training_run_writes_no_secret(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    """A tiny Qwen3 target with the embedded tokenizer, and a drafter for it."""
+    """A tiny Qwen3 target with the bundled tokenizer, and a drafter for it."""
     from flashdraft.drafter import DFlashDraftModel
     from flashdraft.tiny_configs import build_tiny_target
 
     root = tmp_path_factory.mktemp("models")
     target = build_tiny_target("qwen3", num_layers=4, vocab_size=1088, seed=1)
     target.save_pretrained(root / "target")
-    embedded.load_tokenizer().save_pretrained(root / "target")
+    bundled.load_tokenizer().save_pretrained(root / "target")
     torch.manual_seed(0)
     drafter = DFlashDraftModel.from_target(target.config, num_layers=1, block_size=4, target_layer_ids=[1, 2],
                                            mask_token_id=1050)  # fmt: skip
@@ -278,7 +278,7 @@ def test_remote_code_is_off_by_default():
     from flashdraft.config import RunConfig, load_config
 
     assert RunConfig().target.trust_remote_code is False
-    assert load_config(embedded.ASSETS / "train.yaml").target.trust_remote_code is False
+    assert load_config(bundled.ASSETS / "train.yaml").target.trust_remote_code is False
     for example in sorted(Path(__file__).resolve().parents[2].glob("examples/*.yaml")):
         assert load_config(example).target.trust_remote_code is False, example
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft import embedded
+from flashdraft import bundled
 from flashdraft.data import TokenizedDataset
 from flashdraft.features import FeatureStore
 from flashdraft.train.checkpoint import CheckpointManager
@@ -150,7 +150,7 @@ def test_train_on_a_full_disk_stops_cleanly_and_resumes_exactly(tmp_path, uninte
 
 
 def _prepare(out: Path, *extra, cwd: Path, file_limit: int | None = None):
-    return _flashdraft("prepare", "--data", embedded.ASSETS / "train.jsonl", "--tokenizer", embedded.tokenizer_dir(),
+    return _flashdraft("prepare", "--data", bundled.ASSETS / "train.jsonl", "--tokenizer", bundled.tokenizer_dir(),
                        "--out", out, "--no-progress", *extra, cwd=cwd, file_limit=file_limit)  # fmt: skip
 
 
@@ -160,7 +160,7 @@ def _leftovers(parent: Path) -> list[str]:
 
 def test_prepare_past_the_file_size_limit_keeps_nothing_half_written(tmp_path):
     out = tmp_path / "shards"
-    failed = _prepare(out, cwd=tmp_path, file_limit=256 << 10)  # the token ids of the embedded data: ~0.9 MiB
+    failed = _prepare(out, cwd=tmp_path, file_limit=256 << 10)  # the token ids of the bundled data: ~0.9 MiB
     _clean_failure(failed, f"error: cannot write the shards {out} at {tmp_path}: a file grew past the file-size "
                            "limit (ulimit -f: 256.0 KiB per file); it needs about ",
                    "Nothing was kept: make room, then run again")  # fmt: skip
@@ -191,9 +191,9 @@ def test_prepare_on_a_full_disk_keeps_nothing_half_written(tmp_path):
 
 @pytest.fixture(scope="module")
 def few_samples(tmp_path_factory) -> Path:
-    """16 rows of the embedded data: small shards, features of a few MiB."""
+    """16 rows of the bundled data: small shards, features of a few MiB."""
     path = tmp_path_factory.mktemp("data") / "few.jsonl"
-    lines = (embedded.ASSETS / "train.jsonl").read_text().splitlines()[:16]
+    lines = (bundled.ASSETS / "train.jsonl").read_text().splitlines()[:16]
     path.write_text("\n".join(lines) + "\n")
     return path
 

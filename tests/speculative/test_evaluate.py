@@ -183,9 +183,9 @@ def test_before_any_run_the_shipped_drafter_is_evaluated(capsys, tmp_path, monke
     args = _args("--limit", "1", "--max-new-tokens", "6", "--json", str(tmp_path / "r.json"), "--no-progress")
     assert args.run(args) == 0
     captured = capsys.readouterr()
-    assert "evaluating the drafter shipped with the embedded target" in captured.err
+    assert "evaluating the drafter shipped with the bundled target" in captured.err
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["drafter"].endswith("assets/embedded/drafter") and report["greedy_mismatches"] == 0
+    assert report["drafter"].endswith("bundled/drafter") and report["greedy_mismatches"] == 0
     # Not a terminal: the table keeps every number whole (rich's 80-column default would cut them to "3.…").
     overall = next(line for line in captured.out.splitlines() if "overall" in line)
     assert f" {report['tau']:.2f} " in overall and "…" not in overall
@@ -198,17 +198,17 @@ def test_missing_target_or_drafter_exits_2(capsys, tmp_path, monkeypatch):
     assert "give both --target and --drafter" in capsys.readouterr().err
 
 
-def test_no_arguments_evaluates_the_embedded_default(tmp_path, monkeypatch):
-    from flashdraft import embedded
+def test_no_arguments_evaluates_the_bundled_default(tmp_path, monkeypatch):
+    from flashdraft import bundled
     from flashdraft.config import load_config
     from flashdraft.train.loop import train
 
     monkeypatch.chdir(tmp_path)
-    train(load_config(embedded.ASSETS / "train.yaml", ["train.max_steps=2", "data.eval_prompts=null"]))
+    train(load_config(bundled.ASSETS / "train.yaml", ["train.max_steps=2", "data.eval_prompts=null"]))
     args = _args("--limit", "1", "--max-new-tokens", "6", "--json", str(tmp_path / "r.json"), "--no-progress")
     assert args.run(args) == 0
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["target"] == "embedded" and report["drafter"].endswith("step_00000002/drafter")
+    assert report["target"] == "bundled" and report["drafter"].endswith("step_00000002/drafter")
     assert report["num_prompts"] == 1 and report["tau"] >= 1
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashdraft import cli, embedded
+from flashdraft import bundled, cli
 from flashdraft.config import load_config
 from flashdraft.drafter import DFlashDraftModel
 from flashdraft.train import bench
@@ -26,7 +26,7 @@ def test_synthetic_sequences_are_seeded_and_all_response():
 
 
 def test_run_train_step_times_every_phase():
-    cfg = load_config(embedded.ASSETS / "train.yaml", TINY)
+    cfg = load_config(bundled.ASSETS / "train.yaml", TINY)
     target, tokenizer = bench.load_bench_target(cfg)
     s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=3)
     result = bench.run_train_step(s, cfg, warmup=1, steps=2)
@@ -86,7 +86,7 @@ def test_step_flops_count_what_a_step_multiplies():
     from flashdraft.train.optim import build_optimizer
 
     overrides = ["data.max_length=32", "recipe.num_anchors=3", "train.batch_size=1", "train.grad_accum=1"]
-    cfg = load_config(embedded.ASSETS / "train.yaml", overrides)
+    cfg = load_config(bundled.ASSETS / "train.yaml", overrides)
     target, tokenizer = bench.load_bench_target(cfg)
     s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=1)
     optimizer = build_optimizer(s.drafter.parameters(), cfg.optim, s.device)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from flashdraft import cli, embedded
+from flashdraft import bundled, cli
 from flashdraft.config import load_config, to_dict
 
 # Three short steps of one sequence each, a log line per step, one short measured-τ prompt at the end.
@@ -70,7 +70,7 @@ def test_resume_into_another_runs_out_stops_before_anything_loads(tmp_path, caps
     out = tmp_path / "other"
     out.mkdir()
     args = ["train.max_steps=2", "data.eval_prompts=null"]
-    theirs = to_dict(load_config(embedded.ASSETS / "train.yaml", [*args, f"log.out={out}", "train.seed=1"]))
+    theirs = to_dict(load_config(bundled.ASSETS / "train.yaml", [*args, f"log.out={out}", "train.seed=1"]))
     (out / "config.json").write_text(json.dumps(theirs))
     assert cli.main(["train", "--out", str(out), "--resume", *args]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [

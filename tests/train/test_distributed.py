@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flashdraft import embedded
+from flashdraft import bundled
 from flashdraft.config import load_config
 from flashdraft.train import loop
 from flashdraft.train.checkpoint import CheckpointManager
@@ -56,7 +56,7 @@ def _losses(out: Path) -> dict[int, float]:
 
 
 def _cfg(out: Path, *extra: str):
-    return load_config(embedded.ASSETS / "train.yaml", [*RUN, f"log.out={out}", *extra])
+    return load_config(bundled.ASSETS / "train.yaml", [*RUN, f"log.out={out}", *extra])
 
 
 def _state(out: Path, step: int, *extra: str):
@@ -152,7 +152,7 @@ def test_one_process_checkpoint_resumes_on_two(one_proc, tmp_path):
 def test_periodic_tau_with_a_sharded_drafter_neither_hangs_nor_changes_the_losses(one_proc, tmp_path):
     """Every rank gathers the FSDP2 drafter, rank 0 decodes while the others wait in the next step's collective."""
     out = tmp_path / "run"
-    run = torchrun(["train", "--out", str(out), *RUN, "data.eval_prompts=embedded", "data.eval_limit=1",
+    run = torchrun(["train", "--out", str(out), *RUN, "data.eval_prompts=bundled", "data.eval_limit=1",
                     "data.eval_max_new_tokens=4", "log.eval_every=2"], timeout=240)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -207,13 +207,13 @@ def _free_port() -> int:
 
 # Rank 1 fails while loading the target; rank 0 is busy tokenising (a sleep standing for hours of it).
 FAIL_ON_RANK_1_WHILE_RANK_0_WORKS = """
-    import flashdraft.data, flashdraft.embedded
+    import flashdraft.data, flashdraft.bundled
 
     if RANK == "1":
         def boom(*args, **kwargs):
             raise ValueError("injected failure on rank 1")
 
-        flashdraft.embedded.build_target = boom
+        flashdraft.bundled.build_target = boom
     if RANK == "0":
         import time
 

@@ -1,4 +1,4 @@
-"""The training loop end to end on the embedded default (CPU): outputs, exact resume, clear failures."""
+"""The training loop end to end on the bundled default (CPU): outputs, exact resume, clear failures."""
 
 import importlib.util
 import json
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flashdraft import embedded
+from flashdraft import bundled
 from flashdraft.config import load_config, to_dict
 from flashdraft.train import loop
 
@@ -24,7 +24,7 @@ SHORT = ["train.max_steps=6", "log.every=1", "log.checkpoint_every=3", "data.eva
 
 
 def _cfg(out, *extra):
-    return load_config(embedded.ASSETS / "train.yaml", [*SHORT, f"log.out={out}", *extra])
+    return load_config(bundled.ASSETS / "train.yaml", [*SHORT, f"log.out={out}", *extra])
 
 
 def _losses(out):
@@ -54,7 +54,7 @@ def test_outputs_of_a_run(full_run):
     assert (out / "checkpoints" / "step_00000006" / "drafter" / "model.safetensors").is_file()
     assert result.measured_tau is not None and result.measured_tau >= 1
     assert json.loads((out / "measured_tau.json").read_text())["tau"] == result.measured_tau
-    # The embedded default fine-tunes the shipped drafter, trained for the shipped target: its first loss is far
+    # The bundled default fine-tunes the shipped drafter, trained for the shipped target: its first loss is far
     # below even a uniform guess's log(vocab) (the next test: a fresh drafter's is far above it).
     log_vocab = torch.log(torch.tensor(1088.0)).item()
     assert rows[0]["loss"] < log_vocab - 2.5
@@ -172,7 +172,7 @@ def test_a_stop_logs_the_steps_since_the_last_log_line(tmp_path, monkeypatch):
     assert (tmp_path / "stopped" / "training_curve.png").is_file() == PLOT
 
 
-def test_cli_runs_the_embedded_default_and_reports(tmp_path):
+def test_cli_runs_the_bundled_default_and_reports(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "flashdraft", "train", "--out", str(tmp_path / "cli"), *SHORT[:1], "data.eval_limit=1",
          "data.eval_max_new_tokens=8"],
@@ -226,7 +226,7 @@ def test_static_shapes_pad_without_changing_loss_or_gradients():
 
     overrides = ["data.max_length=40", "recipe.num_anchors=6", "train.batch_size=2", "train.grad_accum=2",
                  "train.device=cpu"]  # fmt: skip
-    cfg = {static: load_config(embedded.ASSETS / "train.yaml", [*overrides, f"train.static_shapes={static}"])
+    cfg = {static: load_config(bundled.ASSETS / "train.yaml", [*overrides, f"train.static_shapes={static}"])
            for static in ("false", "true")}  # fmt: skip
     target, tokenizer = bench.load_bench_target(cfg["false"])
     s = bench.bench_setup(cfg["false"], target, tokenizer=tokenizer, steps=2)
@@ -269,9 +269,9 @@ def test_compiled_flex_steps_over_ragged_batches_on_gpu():
 
     base = ["data.max_length=40", "recipe.num_anchors=6", "train.batch_size=2", "train.grad_accum=1"]
     eager = load_config(
-        embedded.ASSETS / "train.yaml", [*base, "train.attention=sdpa", "train.compile=false", "target.compile=false"]
+        bundled.ASSETS / "train.yaml", [*base, "train.attention=sdpa", "train.compile=false", "target.compile=false"]
     )
-    fast = load_config(embedded.ASSETS / "train.yaml", [*base, "train.attention=flex", "train.compile=true"])
+    fast = load_config(bundled.ASSETS / "train.yaml", [*base, "train.attention=flex", "train.compile=true"])
     target, tokenizer = bench.load_bench_target(eager)
     losses = {}
     for name, cfg in (("eager", eager), ("fast", fast)):
@@ -293,7 +293,7 @@ def test_measured_tau_on_gpu_decodes_the_master_weights_on_the_engine(monkeypatc
     from flashdraft.speculative.engine import session as engine_loop
     from flashdraft.train import bench
 
-    cfg = load_config(embedded.ASSETS / "train.yaml", ["train.device=cuda", "data.eval_limit=4"])
+    cfg = load_config(bundled.ASSETS / "train.yaml", ["train.device=cuda", "data.eval_limit=4"])
     target, tokenizer = bench.load_bench_target(cfg)
     s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=1)
     assert next(s.drafter.parameters()).dtype == torch.float32
@@ -324,7 +324,7 @@ TWO_STEPS = ["train.max_steps=2", "train.batch_size=1", "log.every=1", "log.chec
 
 
 def _two_steps(out, *extra):
-    return load_config(embedded.ASSETS / "train.yaml", [*TWO_STEPS, f"log.out={out}", *extra])
+    return load_config(bundled.ASSETS / "train.yaml", [*TWO_STEPS, f"log.out={out}", *extra])
 
 
 def _rows(out):

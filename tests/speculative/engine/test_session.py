@@ -126,13 +126,13 @@ def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monke
 
     from transformers import AutoModelForCausalLM
 
-    from flashdraft import embedded
+    from flashdraft import bundled
     from flashdraft.drafter import DFlashDraftModel
 
     plain_loop = importlib.import_module("flashdraft.speculative.generate")  # the module (the package exports a function)
-    target = AutoModelForCausalLM.from_pretrained(embedded.target_dir(), dtype=torch.float64).eval()
-    drafter = DFlashDraftModel.from_pretrained(embedded.drafter_dir(), dtype=torch.float64).eval()
-    tokenizer = embedded.load_tokenizer()
+    target = AutoModelForCausalLM.from_pretrained(bundled.target_dir(), dtype=torch.float64).eval()
+    drafter = DFlashDraftModel.from_pretrained(bundled.drafter_dir(), dtype=torch.float64).eval()
+    tokenizer = bundled.load_tokenizer()
     drafts = {"engine": [], "plain": []}
     verify_round, propose = loop._verify_round, plain_loop.DFlashProposer.propose
 
@@ -147,7 +147,7 @@ def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monke
 
     monkeypatch.setattr(loop, "_verify_round", engine_round)
     monkeypatch.setattr(plain_loop.DFlashProposer, "propose", plain_round)
-    lines = embedded.eval_prompts().read_text().splitlines()[:4]
+    lines = bundled.eval_prompts().read_text().splitlines()[:4]
     accepted = rounds = 0
     with ready(target):
         for i, line in enumerate(lines):

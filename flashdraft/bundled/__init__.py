@@ -1,9 +1,9 @@
-"""The embedded default: what `flashdraft train` and `flashdraft eval` use with no arguments (offline, CPU-sized).
+"""The bundled default: what `flashdraft train` and `flashdraft eval` use with no arguments (offline, CPU-sized).
 
-Everything ships in flashdraft/assets/embedded, made by examples/tiny_target (how: its README):
+Everything ships in flashdraft/bundled, made by examples/tiny_target (how: its README):
 - target/: a *trained* tiny hybrid Qwen3.5 (8 layers: 6 Gated DeltaNet + 2 gated attention, hidden 256, 6.74M
   parameters, bf16), trained on the Python standard library's source (held-out loss 1.77 nats/token);
-- tokenizer/: its byte-level BPE (1024 tokens; examples/embedded/build_assets.py);
+- tokenizer/: its byte-level BPE (1024 tokens; examples/tiny_target/build_tokenizer.py);
 - drafter/: a 3-layer DFlash drafter (block 16) trained on continuations the target wrote itself;
 - train.jsonl: 768 of those regenerated {"prompt", "response"} pairs (T=0 and T=1), for fine-tuning on a CPU;
 - eval.jsonl: 64 code prefixes from stdlib files the target never saw.
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch loads when a model is built: `flashdraft train` reads its config (and takes the output
     import torch  # directory's lock) before that, so a second run on a busy directory stops at once
 
-ASSETS = Path(__file__).resolve().parent / "assets" / "embedded"
-EMBEDDED = "embedded"
+ASSETS = Path(__file__).resolve().parent
+BUNDLED = "bundled"
 DEFAULT_RUN = Path("runs/default")  # where `flashdraft train` (no arguments) writes; `flashdraft eval` reads it
 
 
@@ -49,7 +49,7 @@ def drafter_dir() -> Path:
 
 
 def build_target(dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
-    """The embedded trained target, loaded from the package (safetensors, no network).
+    """The bundled trained target, loaded from the package (safetensors, no network).
 
     Its linear-attention layers already run flashdraft's device-aware fast path (unprobed; `fastpath.probe`
     proves it): on a CPU, transformers alone would pick fla's GPU-only kernels when fla is installed.

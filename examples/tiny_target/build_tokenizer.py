@@ -1,9 +1,9 @@
 """Build the bundled tokenizer from the Python standard library (offline, deterministic).
 
-    python examples/embedded/build_assets.py        # writes flashdraft/assets/embedded/tokenizer/
+    python examples/tiny_target/build_tokenizer.py        # writes flashdraft/bundled/tokenizer/
 
 A byte-level BPE (vocabulary 1024) trained on the first 40 stdlib modules over 8 kB, with a Qwen-style chat
-template. The rest of flashdraft/assets/embedded/ comes from examples/tiny_target/ (its README says how): the trained
+template. The rest of flashdraft/bundled/ comes from examples/tiny_target/ (its README says how): the trained
 target (train_target.py) and, from ship.py, the drafter, `train.jsonl` (rows the target regenerated) and
 `eval.jsonl` (held-out prompts).
 """
@@ -17,7 +17,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-OUT = Path(__file__).resolve().parents[2] / "flashdraft" / "assets" / "embedded"
+OUT = Path(__file__).resolve().parents[2] / "flashdraft" / "bundled"
 
 
 def main() -> None:
