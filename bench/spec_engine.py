@@ -56,7 +56,7 @@ def build(smoke: bool, layers: int):
     from flashdraft.drafter import DFlashDraftModel
 
     if smoke:
-        from flashdraft.tiny_configs import tiny_config
+        from flashdraft.target.tiny import tiny_config
 
         cfg = tiny_config("qwen3_5", num_layers=8, vocab_size=256)
         device, dtype, mask = torch.device("cpu"), torch.float32, 255

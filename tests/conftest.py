@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VERSION_SENSITIVE = (
     "fastpath/",  # patching transformers' Gated DeltaNet layers, the per-layer probe, doctor, every generation
     "speculative/",  # the speculative loop over transformers' models and caches, and the engine
-    "test_target.py",  # target capture
+    "target/",  # target loading and capture
     "train/test_blocks.py",  # the training recipe over a captured target
     "train/test_masks.py",
     "train/loss/",

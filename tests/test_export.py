@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from flashdraft import export
 from flashdraft.drafter import DFlashDraftModel
-from flashdraft.tiny_configs import tiny_config
+from flashdraft.target.tiny import tiny_config
 
 
 @pytest.fixture

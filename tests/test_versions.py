@@ -11,7 +11,7 @@ import transformers
 from packaging.requirements import Requirement
 
 from flashdraft import versions
-from flashdraft.tiny_configs import build_tiny_target
+from flashdraft.target.tiny import build_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -101,10 +101,10 @@ class PrepareResult:
 
 def load_tokenizer(path: str):
     """The tokenizer in directory `path`, or of hub id `path` from the hub cache (downloaded only with
-    HF_HUB_OFFLINE=0, as targets are: see flashdraft.target.resolve_model_dir)."""
+    HF_HUB_OFFLINE=0, as targets are: see flashdraft.hub.resolve_model_dir)."""
     from transformers import AutoTokenizer
 
-    from flashdraft.target import resolve_model_dir
+    from flashdraft.hub import resolve_model_dir
 
     try:
         directory = resolve_model_dir(path, what="tokenizer", allow_patterns=TOKENIZER_FILES)

@@ -377,9 +377,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         """Load a drafter checkpoint (ours or the reference's) from safetensors only — never by unpickling.
 
         A hub id is read from the hub cache; it is downloaded only when `local_files_only=False` or HF_HUB_OFFLINE=0
-        (see `flashdraft.target.resolve_local_files_only`). Errors name the directory or its config.json.
+        (see `flashdraft.hub.resolve_local_files_only`). Errors name the directory or its config.json.
         """
-        from flashdraft.target import resolve_model_dir
+        from flashdraft.hub import resolve_model_dir
 
         if kwargs.get("use_safetensors") is False:
             raise ValueError("DFlashDraftModel loads safetensors only; use_safetensors=False is not supported")

@@ -235,7 +235,7 @@ def build_probe_model(spec: str | None, probe_layers: int = 4):
     """A model to probe: a tiny family name, a config.json, or a model directory (random weights, first layers)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from flashdraft.tiny_configs import ALL_FAMILIES, build_tiny_target
+    from flashdraft.target.tiny import ALL_FAMILIES, build_tiny_target
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -306,7 +306,7 @@ def run_doctor(model_spec: str | None = None, probe_layers: int = 4, progress=No
 
 
 def _tiny_families():
-    from flashdraft.tiny_configs import ALL_FAMILIES
+    from flashdraft.target.tiny import ALL_FAMILIES
 
     return ALL_FAMILIES
 

@@ -487,7 +487,7 @@ def run(args) -> int:
     from flashdraft import fastpath
     from flashdraft.drafter import DFlashDraftModel
     from flashdraft.fastpath.patch import linear_attention_layers
-    from flashdraft.target import check_checkpoint, resolve_model_dir
+    from flashdraft.hub import check_checkpoint, resolve_model_dir
 
     device, dtype = _device_and_dtype(args.device, args.dtype)
     if args.target == bundled.BUNDLED:

@@ -426,7 +426,7 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
     else:
         tokenizer_path = cfg.data.tokenizer or cfg.target.path
     if offline:
-        from flashdraft.features import FeatureStore
+        from flashdraft.data.features import FeatureStore
 
         features = FeatureStore(cfg.data.features, device=device, s3=cfg.s3)
         target = features.head_target(layer_ids)

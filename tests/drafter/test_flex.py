@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flashdraft.drafter import DFlashDraftModel
-from flashdraft.tiny_configs import tiny_config
+from flashdraft.target.tiny import tiny_config
 from flashdraft.train.blocks import build_blocks
 from flashdraft.train.masks import dense_block_mask, flex_block_mask, layer_mask_rules
 

@@ -12,7 +12,7 @@ from transformers import DynamicCache, Qwen3Config
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from flashdraft.drafter import DFlashDraftModel, build_target_layer_ids
-from flashdraft.tiny_configs import build_tiny_target, tiny_config
+from flashdraft.target.tiny import build_tiny_target, tiny_config
 
 HIDDEN, VOCAB, BLOCK = 64, 256, 4
 # transformers 5.15 taught a sliding-window cache layer to roll back past its window (activate_past_recording);

@@ -7,7 +7,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3_5Config, Qwen3_5TextConf
 
 from flashdraft.drafter import mask_token
 from flashdraft.drafter.mask_token import choose_mask_token_id
-from flashdraft.tiny_configs import tiny_config
+from flashdraft.target.tiny import tiny_config
 
 WORDS = ["[UNK]", "hello", "world", "the", "a", "What", "is", "2", "+", "4", "user", "assistant", "system"]
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"

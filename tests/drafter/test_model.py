@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 from transformers import DynamicCache, Qwen3_5Config, Qwen3_5TextConfig
 
 from flashdraft.drafter import DFlashDraftModel, build_target_layer_ids, select_context_features
-from flashdraft.tiny_configs import tiny_config
+from flashdraft.target.tiny import tiny_config
 
 HIDDEN = 64  # tiny_config's hidden size
 

@@ -26,7 +26,7 @@ from flashdraft.fastpath.patch import (
     linear_attention_layers,
     transformers_checks_devices,
 )
-from flashdraft.tiny_configs import HYBRID_FAMILIES, build_tiny_target
+from flashdraft.target.tiny import HYBRID_FAMILIES, build_tiny_target
 from flashdraft.versions import cache_kwargs
 
 from . import crashes_unpatched_on_cpu, expected_generation, torch_reference_logits

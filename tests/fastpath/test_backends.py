@@ -7,7 +7,7 @@ import torch
 
 from flashdraft.fastpath import backends, record
 from flashdraft.fastpath.patch import linear_attention_layers, modeling_module
-from flashdraft.tiny_configs import build_tiny_target
+from flashdraft.target.tiny import build_tiny_target
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashdraft.fastpath.doctor import diagnose_build_log, run_doctor, transformers_generation
-from flashdraft.tiny_configs import tiny_config
+from flashdraft.target.tiny import tiny_config
 
 CUDA = torch.cuda.is_available()
 NAMES = {"gpu", "torch", "driver", "triton", "fla-core", "causal-conv1d", "transformers", "probe"}

@@ -15,7 +15,7 @@ from flashdraft.fastpath.patch import (
     linear_attention_layers,
     transformers_checks_devices,
 )
-from flashdraft.tiny_configs import HYBRID_FAMILIES, build_tiny_target
+from flashdraft.target.tiny import HYBRID_FAMILIES, build_tiny_target
 
 from . import crashes_unpatched_on_cpu, expected_generation, torch_reference_logits
 
@@ -153,7 +153,7 @@ def test_import_order_does_not_matter(order):
     script = "\n".join([
         *imports,
         "from flashdraft import fastpath",
-        "from flashdraft.tiny_configs import build_tiny_target",
+        "from flashdraft.target.tiny import build_tiny_target",
         "import torch",
         "m = build_tiny_target('qwen3_5', num_layers=4, device='cuda' if torch.cuda.is_available() else 'cpu')",
         "r = fastpath.enable(m, strict=False)",

@@ -348,7 +348,7 @@ def corpus(tmp_path_factory) -> dict[str, str]:
 def _models(root: Path, tokenizer) -> dict[str, str]:
     """A tiny Qwen3 target (4 layers, hidden 64, the bundled tokenizer), drafters that fit it or not, broken dirs."""
     from flashdraft.drafter import DFlashDraftModel
-    from flashdraft.tiny_configs import build_tiny_target, tiny_config
+    from flashdraft.target.tiny import build_tiny_target, tiny_config
 
     paths = {}
 

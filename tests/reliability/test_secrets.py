@@ -242,7 +242,7 @@ def test_training_run_writes_no_secret(tmp_path):
 def tiny_models(tmp_path_factory):
     """A tiny Qwen3 target with the bundled tokenizer, and a drafter for it."""
     from flashdraft.drafter import DFlashDraftModel
-    from flashdraft.tiny_configs import build_tiny_target
+    from flashdraft.target.tiny import build_tiny_target
 
     root = tmp_path_factory.mktemp("models")
     target = build_tiny_target("qwen3", num_layers=4, vocab_size=1088, seed=1)

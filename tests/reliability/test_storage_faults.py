@@ -24,7 +24,7 @@ import pytest
 
 from flashdraft import bundled
 from flashdraft.data import TokenizedDataset
-from flashdraft.features import FeatureStore
+from flashdraft.data.features import FeatureStore
 from flashdraft.train.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.slow

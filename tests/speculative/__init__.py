@@ -15,7 +15,7 @@ import torch
 from flashdraft import fastpath
 from flashdraft.fastpath.backends import CHUNK_RULE, RECURRENT_RULE
 from flashdraft.fastpath.patch import entry_points, linear_attention_layers
-from flashdraft.tiny_configs import build_tiny_target
+from flashdraft.target.tiny import build_tiny_target
 from flashdraft.versions import cache_kwargs
 
 VOCAB = 256

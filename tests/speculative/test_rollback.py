@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from flashdraft.speculative import rollback
-from flashdraft.tiny_configs import ALL_FAMILIES, HYBRID_FAMILIES
+from flashdraft.target.tiny import ALL_FAMILIES, HYBRID_FAMILIES
 from flashdraft.versions import cache_kwargs
 
 from . import one_thread, ready, tiny_target  # noqa: F401 (one_thread: autouse fixture)

@@ -21,7 +21,7 @@ from flashdraft.drafter import DFlashDraftModel
 from flashdraft.io import lock
 from flashdraft.io.lock import OutputBusy, OutputLockLost
 from flashdraft.io.space import StorageFull
-from flashdraft.tiny_configs import tiny_config
+from flashdraft.target.tiny import tiny_config
 from flashdraft.train import checkpoint
 from flashdraft.train.checkpoint import CheckpointError, CheckpointFormatError, CheckpointManager
 

@@ -6,7 +6,7 @@ import torch
 
 from flashdraft.config import ConfigError, load_config
 from flashdraft.drafter import DFlashDraftModel
-from flashdraft.tiny_configs import tiny_config
+from flashdraft.target.tiny import tiny_config
 from flashdraft.train.compile import compile_enabled, compile_layers, static_shapes
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

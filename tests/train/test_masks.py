@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 from flashdraft.drafter import DFlashDraftModel
-from flashdraft.tiny_configs import build_tiny_target, tiny_config
+from flashdraft.target.tiny import build_tiny_target, tiny_config
 from flashdraft.train.blocks import build_blocks, sample_anchors
 from flashdraft.train.masks import (
     attention_kind,

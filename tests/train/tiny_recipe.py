@@ -6,7 +6,7 @@ import torch
 
 from flashdraft.drafter import DFlashDraftModel
 from flashdraft.target import FrozenTarget
-from flashdraft.tiny_configs import build_tiny_target
+from flashdraft.target.tiny import build_tiny_target
 from flashdraft.train.blocks import build_blocks
 from flashdraft.train.masks import dense_block_mask
 

@@ -238,7 +238,7 @@ def test_engine_choice():
     """auto (None) is the engine on a CUDA target it supports and the plain loop elsewhere; on (True) insists and
     says why it cannot; off (False) never uses it."""
     from flashdraft.speculative.generate import use_engine
-    from flashdraft.tiny_configs import build_tiny_target
+    from flashdraft.target.tiny import build_tiny_target
 
     cpu = build_tiny_target("qwen3_5")
     assert use_engine(cpu, None) is False

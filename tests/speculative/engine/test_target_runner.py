@@ -6,7 +6,7 @@ import torch
 
 from flashdraft.speculative.engine import ops
 from flashdraft.speculative.engine.target_runner import TargetEngine, unsupported_reason
-from flashdraft.tiny_configs import build_tiny_target
+from flashdraft.target.tiny import build_tiny_target
 from flashdraft.versions import cache_kwargs
 
 from .. import one_thread, ready, tiny_target  # noqa: F401 (one_thread: autouse fixture)

@@ -361,7 +361,7 @@ class HeadTarget:
 
 
 def add_parser(sub) -> None:
-    from flashdraft.train.cli import add_nproc_argument
+    from flashdraft.cli.train import add_nproc_argument
 
     p = sub.add_parser("features", help="capture the target's features of the training data for offline training")
     p.add_argument("--config", default=None, help="YAML config of the training run (default: the bundled one)")
@@ -377,9 +377,9 @@ def run(args) -> int:
     from rich.console import Console
 
     from flashdraft import bundled
+    from flashdraft.cli.train import relaunch_argv
     from flashdraft.config import load_config
     from flashdraft.train import distributed
-    from flashdraft.train.cli import relaunch_argv
 
     if args.nproc is not None and not distributed.launched():
         return distributed.launch(args.nproc, relaunch_argv(args, "features"))

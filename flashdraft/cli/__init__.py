@@ -27,11 +27,11 @@ from flashdraft.io import OutputError
 
 # subcommand -> module providing add_parser(subparsers) and run(args) -> int
 SUBCOMMANDS = {
-    "doctor": "flashdraft.cli_doctor",
+    "doctor": "flashdraft.cli.doctor",
     "prepare": "flashdraft.data.prepare",
     "regenerate": "flashdraft.data.regenerate",
-    "train": "flashdraft.train.cli",
-    "features": "flashdraft.features",
+    "train": "flashdraft.cli.train",
+    "features": "flashdraft.data.features",
     "eval": "flashdraft.speculative.evaluate",
     "export": "flashdraft.export",
     "bench": "flashdraft.train.bench",
@@ -80,7 +80,7 @@ def quiet_dependency_notices() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # No download unless asked (HF_HUB_OFFLINE=0; flashdraft.target.resolve_local_files_only): said to transformers and
+    # No download unless asked (HF_HUB_OFFLINE=0; flashdraft.hub.resolve_local_files_only): said to transformers and
     # huggingface_hub too, before build_parser imports them (they read it once, at import). Without it they contact
     # the Hub even for cached files (huggingface_hub 1.x fetches an agent registry to build request headers).
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

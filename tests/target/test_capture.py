@@ -7,8 +7,9 @@ import torch
 
 from flashdraft import fastpath
 from flashdraft.config import TargetConfig
-from flashdraft.target import FrozenTarget, glue_compile_enabled, load_target, resolve_local_files_only
-from flashdraft.tiny_configs import build_tiny_target
+from flashdraft.hub import resolve_local_files_only
+from flashdraft.target import FrozenTarget, glue_compile_enabled, load_target
+from flashdraft.target.tiny import build_tiny_target
 
 LAYERS = 8
 
@@ -104,7 +105,7 @@ def test_load_target_multimodal_qwen35_checkpoint(tmp_path):
     Loaded as the text-only causal LM; the vision tower and the dropped layers stay on disk."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from flashdraft.tiny_configs import tiny_config
+    from flashdraft.target.tiny import tiny_config
 
     vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=4)
     config = Qwen3_5Config(text_config=tiny_config("qwen3_5", LAYERS).to_dict(), vision_config=vision)

@@ -94,7 +94,7 @@ def preflight(cfg, resume: bool = False) -> None:
 
     from flashdraft import bundled
     from flashdraft.data.sources import resolve_sources
-    from flashdraft.target import is_hub_id
+    from flashdraft.hub import is_hub_id
 
     def local(value: str | None) -> Path | None:
         if value is None or value == bundled.BUNDLED or is_hub_id(value) and not Path(value).exists():

@@ -11,7 +11,7 @@ import torch
 
 from flashdraft import bundled
 from flashdraft.config import load_config
-from flashdraft.features import FeatureStore, write_features
+from flashdraft.data.features import FeatureStore, write_features
 from flashdraft.train import loop
 from tests.data.conftest import moto_server, no_aws, s3  # noqa: F401 (the moto S3 fixtures of tests/data)
 
