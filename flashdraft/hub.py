@@ -13,6 +13,10 @@ from pathlib import Path
 
 _PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "model.ckpt")
 _FALSE = ("0", "false", "no", "off")
+# transformers 5.25+ "kernelizes" every model it loads when the `kernels` package is installed (it is a dependency):
+# it fetches kernels from the Hub at load time and may replace whole layers, the Gated DeltaNet among them, bypassing
+# the fast path flashdraft patches and proves. Every load in flashdraft passes these (older releases accept them too).
+NO_HUB_KERNELS = {"use_kernels": False}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 

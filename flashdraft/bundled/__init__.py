@@ -59,9 +59,11 @@ def build_target(dtype: torch.dtype | None = None, device: str | torch.device = 
     from transformers.utils import logging as hf_logging
 
     from flashdraft import fastpath
+    from flashdraft.hub import NO_HUB_KERNELS
 
     hf_logging.disable_progress_bar()  # a 13 MB load needs no progress bar
-    model = AutoModelForCausalLM.from_pretrained(target_dir(), dtype=dtype or torch.float32, use_safetensors=True)
+    model = AutoModelForCausalLM.from_pretrained(target_dir(), dtype=dtype or torch.float32, use_safetensors=True, **NO_HUB_KERNELS
+    )
     model = model.to(device)
     fastpath.enable(model, strict=False, run_probe=False)
     return model

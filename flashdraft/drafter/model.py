@@ -48,6 +48,7 @@ from flashdraft.drafter.config import (
     validate_draft_config,
 )
 from flashdraft.drafter.mask_token import choose_mask_token_id
+from flashdraft.hub import NO_HUB_KERNELS
 
 logger = logging.getLogger(__name__)
 
@@ -412,7 +413,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                 validate_draft_config(config)
             except ValueError as err:
                 raise ValueError(f"{where}: {err}") from None
-        return super().from_pretrained(path, *args, **kwargs)
+        return super().from_pretrained(path, *args, **{**NO_HUB_KERNELS, **kwargs})
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """Write `config.json` + `model.safetensors` in the reference format, atomically (see `atomic_directory`)."""

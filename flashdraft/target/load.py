@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from flashdraft.drafter.config import build_target_layer_ids, target_text_config
-from flashdraft.hub import check_checkpoint, resolve_model_dir
+from flashdraft.hub import NO_HUB_KERNELS, check_checkpoint, resolve_model_dir
 from flashdraft.target.capture import FrozenTarget, _truncate_config, _validate_layer_ids
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ def load_target(
             trust_remote_code=trust_remote_code,
             attn_implementation=attn_implementation,
             output_loading_info=True,
+            **NO_HUB_KERNELS,
         )
     missing = sorted(info.get("missing_keys") or [])
     mismatched = sorted(str(k) for k in info.get("mismatched_keys") or [])

@@ -27,6 +27,7 @@ import torch
 from flashdraft import bundled
 from flashdraft.config import RunConfig, to_dict
 from flashdraft.drafter import DFlashDraftModel
+from flashdraft.hub import NO_HUB_KERNELS
 from flashdraft.train import distributed
 from flashdraft.train.blocks import anchor_generator, build_blocks, sample_anchors
 from flashdraft.train.checkpoint import CheckpointManager
@@ -549,7 +550,8 @@ def measure_tau(cfg: RunConfig, s: Setup, json_out: Path | None = None, drafter=
             from transformers import AutoModelForCausalLM
 
             full = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=s.target.dtype,
-                                                        trust_remote_code=cfg.target.trust_remote_code).to(s.device)  # fmt: skip
+                                                        trust_remote_code=cfg.target.trust_remote_code,
+                                                        **NO_HUB_KERNELS).to(s.device)  # fmt: skip
         fastpath.enable(full, strict=False)
         s.full_target = full.eval()
     full = s.full_target
