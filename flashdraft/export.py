@@ -9,11 +9,9 @@ against the target first: hidden size, vocabulary, captured layers. Errors exit 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
-import sys
 from pathlib import Path
 
 from transformers import Qwen3Config
@@ -152,30 +150,3 @@ vLLM:
 Replace the drafter path with the Hub id once uploaded. The reference `dflash` package loads it with
 `dflash.DFlashDraftModel.from_pretrained(path)`.
 """
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "export",
-        help="write a drafter for SGLang / vLLM / dflash",
-        description=__doc__.split("\n\n")[0],
-    )
-    parser.add_argument("--drafter", required=True, help="drafter checkpoint directory (config.json + safetensors)")
-    parser.add_argument("--out", required=True, help="output directory (replaced atomically)")
-    parser.add_argument("--target", default=None, help="target model directory or config.json to check against")
-    parser.set_defaults(run=run)
-    return parser
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        out = export_drafter(args.drafter, args.out, target=args.target)
-    except (ValueError, OSError) as err:
-        print(f"flashdraft export: error: {err}", file=sys.stderr)
-        return 2
-    drafter_config = Qwen3Config.from_pretrained(out)
-    commands = serve_commands(
-        str(out.resolve()), draft_value(drafter_config, "block_size"), args.target or PLACEHOLDER_TARGET
-    )
-    print(f"exported {out}\n  SGLang: {commands['sglang']}\n  vLLM:   {commands['vllm']}")
-    return 0

@@ -23,21 +23,29 @@ import os
 import sys
 import warnings
 
+from flashdraft.cli.exit_codes import (
+    EXIT_BAD_INPUT,
+    EXIT_CHECK_FAILED,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_OUTPUT,
+)
 from flashdraft.io import OutputError
 
 # subcommand -> module providing add_parser(subparsers) and run(args) -> int
 SUBCOMMANDS = {
     "doctor": "flashdraft.cli.doctor",
-    "prepare": "flashdraft.data.prepare",
-    "regenerate": "flashdraft.data.regenerate",
+    "prepare": "flashdraft.cli.prepare",
+    "regenerate": "flashdraft.cli.regenerate",
     "train": "flashdraft.cli.train",
-    "features": "flashdraft.data.features",
-    "eval": "flashdraft.speculative.evaluate",
-    "export": "flashdraft.export",
-    "bench": "flashdraft.train.bench",
+    "features": "flashdraft.cli.features",
+    "eval": "flashdraft.cli.eval",
+    "export": "flashdraft.cli.export",
+    "bench": "flashdraft.cli.bench",
 }
 
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OUTPUT = 0, 1, 2, 3, 4
+__all__ = ["EXIT_BAD_INPUT", "EXIT_CHECK_FAILED", "EXIT_INTERNAL", "EXIT_OK", "EXIT_OUTPUT", "SUBCOMMANDS", "main"]
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -94,10 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     # Under torchrun every rank has its own stderr stream in the job's output: say which rank a message is from.
     where = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else ""
     try:
-        return int(args.run(args) or 0)
+        return int(args.run(args) or EXIT_OK)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except OutputError as exc:
         if args.debug:
             raise

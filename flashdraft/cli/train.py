@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import signal
 
+from flashdraft.cli.exit_codes import EXIT_OK
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a DFlash drafter (no arguments: the bundled default on this machine)")
@@ -35,7 +37,7 @@ def run(args) -> int:
     if args.help_config:
         for name, default, doc in describe_fields():
             console.print(f"[bold]{name}[/] = {default}\n    {doc}")
-        return 0
+        return EXIT_OK
     import logging
 
     from flashdraft import bundled
@@ -72,7 +74,7 @@ def _run(args, cfg, console) -> int:
             console = Console(quiet=True)
         result = train(cfg, resume=args.resume, console=console)
         if not world.is_main:
-            return 0
+            return EXIT_OK
     if result.stopped_by:
         console.print(f"\n[bold yellow]stopped[/] by {result.stopped_by} after step {result.steps}; checkpoint: "
                       f"{result.checkpoint}\ncontinue with: flashdraft train ... --resume", soft_wrap=True)  # fmt: skip
@@ -83,7 +85,7 @@ def _run(args, cfg, console) -> int:
                   soft_wrap=True)  # fmt: skip
     console.print(f"checkpoint: {result.checkpoint}\nmetrics:    {result.out / 'metrics.jsonl'}"
                   + (f"\ncurve:      {result.curve}" if result.curve else ""), soft_wrap=True)  # fmt: skip
-    return 0
+    return EXIT_OK
 
 
 def preflight(cfg, resume: bool = False) -> None:

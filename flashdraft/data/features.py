@@ -34,7 +34,6 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -59,14 +58,14 @@ def _fs(url: str, s3=None):
     return open_fs(url, s3=s3)
 
 
-def _local_dir(url: str) -> str | None:
+def local_dir(url: str) -> str | None:
     """The local directory of `url`, or None for an object store (which has no lock)."""
     return url.removeprefix("file://") if "://" not in url or url.startswith("file://") else None
 
 
 def output_lock(out: str):
     """The lock of a local features directory (see flashdraft.io.lock); object stores have none."""
-    local = _local_dir(out)
+    local = local_dir(out)
     return lock.hold(local, "features") if local is not None else contextlib.nullcontext()
 
 
@@ -101,22 +100,25 @@ class FeaturesResult:
     bytes: int
 
 
-def write_features(cfg, out: str, console=None) -> FeaturesResult:
-    """Capture the features of every sample of `cfg`'s training data into `out`; collective under torchrun.
+def write_features(
+    target, data, out: str, *, s3=None, sharded: bool = False, target_path: str | None = None
+) -> FeaturesResult:
+    """Capture the features of every sample of `data` (a TokenizedDataset) with `target` (a FrozenTarget, its
+    captured layers configured) into `out`; collective under torchrun.
 
-    Rank r captures samples r, r + N, r + 2N, ... and writes its own shards; rank 0 then writes the index.
+    Rank r captures samples r, r + N, r + 2N, ... and writes its own shards; rank 0 then writes the index. `sharded`:
+    the target is FSDP-sharded over the ranks (`target.shard`), so every rank runs the same number of forwards.
+    `s3`: the S3Config of an s3:// `out`; `target_path`: the target's name in the index when the model has none.
     """
     with output_lock(out):
-        return _write_features(cfg, out, console)
+        return _write_features(target, data, out, s3, sharded, target_path)
 
 
-def _write_features(cfg, out: str, console) -> FeaturesResult:
+def _write_features(target, data, out: str, s3, sharded: bool, target_path: str | None) -> FeaturesResult:
     from flashdraft.train import distributed
-    from flashdraft.train.loop import load_inputs
 
     here = distributed.world()
-    device, _, target, data, _ = load_inputs(cfg, Path(cfg.log.out), console, offline=False)
-    fs, root = _fs(out, cfg.s3)
+    fs, root = _fs(out, s3)
     if here.is_main:
         fs.makedirs(root, exist_ok=True)
         # The old index goes first: until the new one is written, the directory is not a features directory.
@@ -127,14 +129,15 @@ def _write_features(cfg, out: str, console) -> FeaturesResult:
     needed = (data.num_tokens * width + 2 * target.lm_head_weight.numel()) * target.dtype.itemsize
     with room_for(out, needed, f"the features of {len(data)} samples",
                   f"{out} has no {INDEX}, so train refuses it: make room, then run `flashdraft features` again"):  # fmt: skip
-        return _capture(cfg, out, fs, root, here, device, target, data)
+        return _capture(target, data, out, fs, root, here, sharded, target_path)
 
 
-def _capture(cfg, out: str, fs, root: str, here, device, target, data) -> FeaturesResult:
+def _capture(target, data, out: str, fs, root: str, here, sharded: bool, target_path: str | None) -> FeaturesResult:
     from safetensors.torch import save
 
     from flashdraft.train import distributed
 
+    device = target.device
     files: dict[str, list[int]] = {}
     buffer: dict[str, torch.Tensor] = {}
     size = total_bytes = 0
@@ -156,7 +159,7 @@ def _capture(cfg, out: str, fs, root: str, here, device, target, data) -> Featur
     for k in range(rounds):
         index = here.rank + k * here.size
         ids, _ = data[min(index, len(data) - 1)]
-        if index >= len(data) and not cfg.target.shard:
+        if index >= len(data) and not sharded:
             break
         x = torch.tensor(ids, dtype=torch.long, device=device)[None]
         captured = target.capture(x, torch.ones_like(x))[0]
@@ -186,7 +189,7 @@ def _capture(cfg, out: str, fs, root: str, here, device, target, data) -> Featur
         _put(fs, f"{root}/{CONFIG}", target.config.to_json_string().encode())
         index = {
             "format": FORMAT,
-            "target": str(target.name_or_path or cfg.target.path),
+            "target": str(target.name_or_path or target_path),
             "target_layer_ids": list(target.target_layer_ids),
             "hidden_size": int(target.hidden_size),
             "dtype": str(target.dtype).replace("torch.", ""),
@@ -355,48 +358,3 @@ class HeadTarget:
 
     def capture(self, *args, **kwargs):
         raise RuntimeError("offline training reads the features (FeatureStore.batch); there is no target to run")
-
-
-# ---- the command ------------------------------------------------------------------------------------------------
-
-
-def add_parser(sub) -> None:
-    from flashdraft.cli.train import add_nproc_argument
-
-    p = sub.add_parser("features", help="capture the target's features of the training data for offline training")
-    p.add_argument("--config", default=None, help="YAML config of the training run (default: the bundled one)")
-    p.add_argument("--out", default=None, help="features directory, local or s3:// (default: data.features)")
-    add_nproc_argument(p)
-    p.add_argument("overrides", nargs="*", metavar="section.field=value", help="dotted overrides, as for train")
-    p.set_defaults(run=run)
-
-
-def run(args) -> int:
-    import logging as _logging
-
-    from rich.console import Console
-
-    from flashdraft import bundled
-    from flashdraft.cli.train import relaunch_argv
-    from flashdraft.config import load_config
-    from flashdraft.train import distributed
-
-    if args.nproc is not None and not distributed.launched():
-        return distributed.launch(args.nproc, relaunch_argv(args, "features"))
-    _logging.basicConfig(level=_logging.INFO, format="%(message)s")
-    cfg = load_config(args.config or bundled.ASSETS / "train.yaml", args.overrides)
-    out = args.out or cfg.data.features
-    if not out:
-        raise ValueError("features: where to? give --out DIR (local or s3://) or data.features=DIR")
-    console = Console()
-    # Rank 0 takes the lock before the process group exists; every rank checks it once the group is up.
-    with output_lock(out), distributed.session(cfg.train.device, "features", output=_local_dir(out)) as here:
-        if not here.is_main:
-            console = Console(quiet=True)
-        result = write_features(cfg, out, console)
-        if not here.is_main:
-            return 0
-    console.print(f"[bold green]done[/]: features of {result.samples} samples in {result.files} files "
-                  f"({result.bytes / 2**20:.1f} MiB) at {result.out}\ntrain on them with: data.features={result.out}",
-                  soft_wrap=True)  # fmt: skip
-    return 0

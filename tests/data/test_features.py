@@ -33,6 +33,12 @@ def _cfg(data: Path, out: Path, *extra: str):
     return load_config(bundled.ASSETS / "train.yaml", [*RUN, f"data.train=[{data}]", f"log.out={out}", *extra])
 
 
+def _write(cfg, out: str):
+    """The features of `cfg`'s training data, its target and data built as `flashdraft features` builds them."""
+    _, _, target, data, _ = loop.load_inputs(cfg, Path(cfg.log.out), None, offline=False)
+    return write_features(target, data, out, s3=cfg.s3, sharded=cfg.target.shard, target_path=cfg.target.path)
+
+
 def _losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -40,7 +46,7 @@ def _losses(out: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def features(data, tmp_path_factory):
     root = tmp_path_factory.mktemp("features")
-    result = write_features(_cfg(data, root / "run"), str(root / "features"))
+    result = _write(_cfg(data, root / "run"), str(root / "features"))
     return root, result
 
 
@@ -101,7 +107,7 @@ def test_features_on_s3(features, data, s3, tmp_path):  # noqa: F811 (the fixtur
     url = f"s3://{bucket}/feat/run1"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("AWS_ENDPOINT_URL", endpoint)
-        write_features(_cfg(data, tmp_path / "run"), url)
+        _write(_cfg(data, tmp_path / "run"), url)
         keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
         assert {"feat/run1/features.json", "feat/run1/head.safetensors", "feat/run1/config.json"} <= keys
         remote, local = FeatureStore(url), FeatureStore(str(root / "features"))
@@ -122,9 +128,3 @@ def test_features_of_other_data_are_refused(features, data, tmp_path):
     cfg = _cfg(data, tmp_path / "run", "data.max_length=128", f"data.features={root / 'features'}")
     with pytest.raises(ValueError, match="captured from other training data"):
         loop.train(cfg)
-
-
-def test_features_cli_needs_a_destination(tmp_path):
-    from flashdraft.cli import main
-
-    assert main(["features", "train.max_steps=1"]) == 2

@@ -1,15 +1,13 @@
-"""`flashdraft eval` end to end on a tiny target + drafter saved to disk, with a tiny word-level tokenizer."""
+"""The prompts of `flashdraft eval`: messages rendered with the chat template, bad lines named (the command end to end:
+tests/cli/test_eval.py)."""
 
-import argparse
 import json
-import sys
 
 import pytest
-import torch
 
 from flashdraft.speculative import evaluate
 
-from . import one_thread, random_drafter, tiny_target  # noqa: F401 (one_thread: autouse fixture)
+from . import one_thread  # noqa: F401 (autouse fixture)
 
 WORDS = "the a cat dog sat on mat ran far away and then home is good bad big small red blue".split()
 CHAT_TEMPLATE = (
@@ -31,123 +29,9 @@ def _tokenizer():
     )
 
 
-def _save_models(root, family):
-    target = tiny_target(family, dtype=torch.float32, seed=21, vocab_size=64)
-    target.generation_config.eos_token_id = 2
-    target.save_pretrained(root / "target")
-    _tokenizer().save_pretrained(root / "target")
-    random_drafter(target, block_size=4, seed=22).save_pretrained(root / "drafter")
-    return root
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return _save_models(tmp_path_factory.mktemp("eval"), "qwen3")
-
-
-def _args(*argv):
-    parser = argparse.ArgumentParser()
-    evaluate.add_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["eval", *argv])
-
-
 def _write(path, lines):
     path.write_text("".join(line + "\n" for line in lines))
     return path
-
-
-def test_eval_end_to_end(models, tmp_path, capsys):
-    prompts = _write(
-        tmp_path / "prompts.jsonl",
-        [
-            json.dumps({"messages": [{"role": "user", "content": "the cat sat on the mat"}], "category": "chat"}),
-            json.dumps({"prompt": "a dog ran far away and then home", "category": "text"}),
-            "",
-            json.dumps({"messages": [{"role": "user", "content": "is red good"}], "category": "chat"}),
-            json.dumps({"prompt": "big small big small big"}),
-        ],
-    )
-    out_json, out_png = tmp_path / "eval.json", tmp_path / "eval.png"
-    args = _args(
-        "--target", str(models / "target"), "--drafter", str(models / "drafter"), "--prompts", str(prompts),
-        "--max-new-tokens", "12", "--json", str(out_json), "--plot", str(out_png), "--device", "cpu",
-        "--ignore-eos", "--no-progress",
-    )  # fmt: skip
-    assert args.run(args) == 0
-    report = json.loads(out_json.read_text())
-    for key in ("tau", "speedup", "prompt_lookup_tau", "per_category", "per_position_acceptance",
-                "acceptance_length_p95", "tokens_per_second", "acceptance_length_histogram"):  # fmt: skip
-        assert key in report, key
-    assert report["num_prompts"] == 4 and report["block_size"] == 4
-    assert set(report["per_category"]) == {"chat", "text", "all"}
-    assert sum(c["num_prompts"] for c in report["per_category"].values()) == 4
-    assert report["tokens"] == {"dflash": 48, "autoregressive": 48, "prompt_lookup": 48}
-    assert report["greedy_mismatches"] == 0
-    tps = report["tokens_per_second"]
-    assert report["speedup"] == pytest.approx(tps["dflash"] / tps["autoregressive"])
-    assert 1 <= report["tau"] <= 4 and 1 <= report["prompt_lookup_tau"] <= 4
-    assert len(report["per_position_acceptance"]) == 3
-    hist = report["acceptance_length_histogram"]
-    # Each prompt: 1 token from the prefill, 11 from verification rounds.
-    assert sum(int(k) * v for k, v in hist.items()) == 4 * 11
-    assert report["tau"] == pytest.approx(4 * 11 / sum(hist.values()))
-    assert out_png.stat().st_size > 1000 and out_png.read_bytes()[:4] == b"\x89PNG"
-    printed = capsys.readouterr().out
-    assert "overall" in printed and "chat" in printed
-
-
-def test_eval_limit_and_stop_tokens(models, tmp_path):
-    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": f"the {w} sat"}) for w in WORDS[:5]])
-    out_json = tmp_path / "r.json"
-    args = _args(
-        "--target", str(models / "target"), "--drafter", str(models / "drafter"), "--prompts", str(prompts),
-        "--max-new-tokens", "6", "--limit", "2", "--json", str(out_json), "--no-progress", "--block-size", "3",
-    )  # fmt: skip
-    assert args.run(args) == 0
-    report = json.loads(out_json.read_text())
-    assert report["num_prompts"] == 2 and report["block_size"] == 3
-    assert report["tokens"]["dflash"] == report["tokens"]["autoregressive"] <= 12
-
-
-def test_eval_hybrid_target_enables_the_fast_path(tmp_path, capsys):
-    from flashdraft import fastpath
-
-    root = _save_models(tmp_path, "qwen3_5")
-    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "the cat sat on the mat and the dog"})])
-    out_json = tmp_path / "r.json"
-    args = _args(
-        "--target", str(root / "target"), "--drafter", str(root / "drafter"), "--prompts", str(prompts),
-        "--max-new-tokens", "10", "--json", str(out_json), "--no-progress", "--ignore-eos",
-    )  # fmt: skip
-    try:
-        assert args.run(args) == 0
-    finally:  # enable() patched the modeling module; give other tests transformers' own state back
-        fastpath.disable(tiny_target("qwen3_5", dtype=torch.float32))
-    report = json.loads(out_json.read_text())
-    assert report["tokens"]["dflash"] == report["tokens"]["autoregressive"] == 10
-    assert report["greedy_mismatches"] == 0
-
-
-def test_eval_with_the_engine_reports_the_implied_ceiling(models, tmp_path, capsys):
-    """--engine on (graphs off on a CPU): same tokens as transformers' forwards; tau x step / round beside the
-    measured speedup."""
-    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": f"the {w} sat on the mat"}) for w in WORDS[:3]])
-    reports = {}
-    for engine in ("on", "off"):
-        out_json = tmp_path / f"{engine}.json"
-        args = _args(
-            "--target", str(models / "target"), "--drafter", str(models / "drafter"), "--prompts", str(prompts),
-            "--max-new-tokens", "10", "--json", str(out_json), "--no-progress", "--ignore-eos", "--device", "cpu",
-            "--engine", engine,
-        )  # fmt: skip
-        assert args.run(args) == 0
-        reports[engine] = json.loads(out_json.read_text())
-    on = reports["on"]
-    assert on["backend"] == "engine" and reports["off"]["backend"] == "plain"
-    assert on["greedy_mismatches"] == 0 and on["tau"] == pytest.approx(reports["off"]["tau"])
-    assert on["implied_ceiling"] == pytest.approx(on["tau"] * on["decode_step_ms"] / on["round_ms"])
-    assert on["decode_step_ms"] > 0 and on["round_ms"] > 0
-    assert "implied ceiling" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -176,53 +60,3 @@ def test_chat_template_and_empty_file(tmp_path):
     assert prompt.category == "all" and prompt.line == 1
     with pytest.raises(ValueError, match="no prompts"):
         evaluate.load_prompts(_write(tmp_path / "empty.jsonl", ["", "  "]), tokenizer)
-
-
-def test_before_any_run_the_shipped_drafter_is_evaluated(capsys, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # no runs/default here
-    args = _args("--limit", "1", "--max-new-tokens", "6", "--json", str(tmp_path / "r.json"), "--no-progress")
-    assert args.run(args) == 0
-    captured = capsys.readouterr()
-    assert "evaluating the drafter shipped with the bundled target" in captured.err
-    report = json.loads((tmp_path / "r.json").read_text())
-    assert report["drafter"].endswith("bundled/drafter") and report["greedy_mismatches"] == 0
-    # Not a terminal: the table keeps every number whole (rich's 80-column default would cut them to "3.…").
-    overall = next(line for line in captured.out.splitlines() if "overall" in line)
-    assert f" {report['tau']:.2f} " in overall and "…" not in overall
-
-
-def test_missing_target_or_drafter_exits_2(capsys, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    args = _args("--target", "somewhere", "--prompts", "x.jsonl")
-    assert args.run(args) == 2
-    assert "give both --target and --drafter" in capsys.readouterr().err
-
-
-def test_no_arguments_evaluates_the_bundled_default(tmp_path, monkeypatch):
-    from flashdraft import bundled
-    from flashdraft.config import load_config
-    from flashdraft.train.loop import train
-
-    monkeypatch.chdir(tmp_path)
-    train(load_config(bundled.ASSETS / "train.yaml", ["train.max_steps=2", "data.eval_prompts=null"]))
-    args = _args("--limit", "1", "--max-new-tokens", "6", "--json", str(tmp_path / "r.json"), "--no-progress")
-    assert args.run(args) == 0
-    report = json.loads((tmp_path / "r.json").read_text())
-    assert report["target"] == "bundled" and report["drafter"].endswith("step_00000002/drafter")
-    assert report["num_prompts"] == 1 and report["tau"] >= 1
-
-
-def test_plot_without_matplotlib_is_refused_before_the_models_load(capsys, tmp_path, monkeypatch):
-    from flashdraft import cli
-
-    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
-        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "hi"}\n')
-    # Models that do not exist: had the check come after loading them, the error would name them instead.
-    code = cli.main(["eval", "--target", str(tmp_path / "no-target"), "--drafter", str(tmp_path / "no-drafter"),
-                     "--prompts", str(prompts), "--plot", str(tmp_path / "eval.png")])  # fmt: skip
-    assert code == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "flashdraft eval: error: --plot needs matplotlib: pip install 'flashdraft[plot]', or leave out --plot"
-    ]

@@ -1,13 +1,12 @@
 """`flashdraft bench train-step` on the CPU: it times the trainer's own step, and its FLOP count is the cost model's."""
 
-import json
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from flashdraft import bundled, cli
+from flashdraft import bundled
 from flashdraft.config import load_config
 from flashdraft.drafter import DFlashDraftModel
 from flashdraft.train import bench
@@ -100,21 +99,3 @@ def test_step_flops_count_what_a_step_multiplies():
                      for layer in s.drafter.layers)  # fmt: skip
     model = step_flops(s, tokens, labelled) - 2 * s.drafter.fc.weight.numel() * tokens + 6 * context_kv * tokens
     assert model == pytest.approx(matmul, rel=5e-3)
-
-
-def test_cli_bench_train_step_writes_json(tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    code = cli.main(["bench", "train-step", "--warmup", "0", "--steps", "1", "--seq", "40", "--json", str(out),
-                     "recipe.num_anchors=4", "train.batch_size=1"])  # fmt: skip
-    assert code == 0
-    printed = capsys.readouterr().out
-    assert "FLOPs per step" in printed and "flashdraft" in printed and "drafter_bwd" in printed
-    report = json.loads(out.read_text())
-    assert report["machine"]["torch"] == torch.__version__
-    (row,) = report["results"]
-    assert row["seq"] == 40 and row["seq_tokens"] == 40 and row["step_s"] > 0
-
-
-def test_cli_bench_bad_input_names_the_option(capsys):
-    assert cli.main(["bench", "train-step", "--steps", "0"]) == 2
-    assert "--steps 0" in capsys.readouterr().err

@@ -1,0 +1,193 @@
+"""`flashdraft eval`: the target, the drafter and the prompts built from the arguments, checked against each
+other, then flashdraft.speculative.evaluate.evaluate (which says what the command reports) and its report printed,
+written as JSON and plotted."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from flashdraft.cli.exit_codes import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_OK
+from flashdraft.speculative.evaluate import _require_matplotlib, evaluate, load_prompts, print_report, write_plot
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("eval", help="speculative decoding with a DFlash drafter: tau, acceptance, speedup")
+    p.add_argument("--target", help="target model (HF id or directory)")
+    p.add_argument("--drafter", help="DFlash drafter checkpoint (HF id or directory), or a training run directory")
+    p.add_argument("--prompts", help="JSONL of {'messages': [...]} or {'prompt': str}, optional 'category'")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--block-size", type=int, default=None, help="drafted block incl. anchor (default: drafter's)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    p.add_argument("--json", dest="json_out", default=None, help="write the report as JSON here")
+    p.add_argument("--plot", default=None, help="write a PNG of the acceptance statistics here (needs matplotlib)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="auto: bfloat16 on CUDA, float32 on CPU",
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--ignore-eos", action="store_true", help="always decode --max-new-tokens tokens")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--engine",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="on: flashdraft's engine (static caches, CUDA graphs; dense Qwen3.5/Qwen3 on CUDA); off: transformers; "
+        "auto (default): the engine on a CUDA target it supports, else transformers",
+    )
+    p.set_defaults(run=run)
+
+
+def _device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available (use --device cpu)")
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return torch.device(device), getattr(torch, dtype)
+
+
+def _stop_token_ids(target, tokenizer) -> list[int]:
+    ids = set()
+    for value in (getattr(target.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def check_fit(drafter, target, tokenizer, drafter_name: str, target_name: str) -> None:
+    """Raise a ValueError listing every way the drafter (or the tokenizer) does not fit the target, before decoding
+    (a mismatch would otherwise surface as an IndexError or a shape error deep in a forward)."""
+    from flashdraft.drafter.config import target_text_config
+    from flashdraft.export import check_against_target
+
+    text = target_text_config(target.config)
+    problems = check_against_target(drafter.config, text.to_dict())
+    if len(tokenizer) > text.vocab_size:
+        problems.append(f"tokenizer: {len(tokenizer)} tokens, more than the target's vocab_size {text.vocab_size}")
+    if problems:
+        raise ValueError(f"drafter {drafter_name} does not fit target {target_name}:\n  " + "\n  ".join(problems))
+
+
+def run(args) -> int:
+    from flashdraft import bundled
+
+    if not args.target and not args.drafter:
+        # The bundled default: its tiny trained target, the drafter `flashdraft train` wrote to runs/default (or,
+        # before any run, the drafter shipped with it), its held-out prompts.
+        from flashdraft.train.checkpoint import CheckpointManager
+
+        latest = CheckpointManager(bundled.DEFAULT_RUN).latest() if bundled.DEFAULT_RUN.is_dir() else None
+        if latest is None:
+            print(f"flashdraft eval: no run in {bundled.DEFAULT_RUN}: evaluating the drafter shipped with the "
+                  "bundled target", file=sys.stderr)  # fmt: skip
+        args.target = bundled.BUNDLED
+        args.drafter = str(bundled.drafter_dir() if latest is None else latest / "drafter")
+        args.prompts = args.prompts or str(bundled.eval_prompts())
+    if not args.target or not args.drafter:
+        print(
+            "flashdraft eval: give both --target and --drafter (or neither, for the bundled default)", file=sys.stderr
+        )
+        return EXIT_BAD_INPUT
+    if (Path(args.drafter) / "checkpoints").is_dir():  # a training run's directory: its latest checkpoint
+        from flashdraft.train.checkpoint import CheckpointManager
+
+        latest = CheckpointManager(args.drafter).latest()
+        if latest is None:
+            print(f"flashdraft eval: --drafter {args.drafter} is a training run with no complete checkpoint yet",
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_BAD_INPUT
+        args.drafter = str(latest / "drafter")
+    if not args.prompts:
+        print("flashdraft eval: give --prompts FILE.jsonl", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    if args.block_size is not None and args.block_size < 2:
+        raise ValueError(f"--block-size must be >= 2 (the anchor plus one drafted token), got {args.block_size}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if not Path(args.prompts).is_file():  # before loading the models, which can take minutes
+        raise FileNotFoundError(f"prompts file {args.prompts} does not exist")
+    if args.plot:
+        _require_matplotlib()  # fail before the long part
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flashdraft import fastpath
+    from flashdraft.drafter import DFlashDraftModel
+    from flashdraft.fastpath.patch import linear_attention_layers
+    from flashdraft.hub import check_checkpoint, resolve_model_dir
+
+    device, dtype = _device_and_dtype(args.device, args.dtype)
+    if args.target == bundled.BUNDLED:
+        tokenizer = bundled.load_tokenizer()
+        target = bundled.build_target(dtype=dtype, device=device).eval()
+    else:
+        # A hub id is read from the cache unless HF_HUB_OFFLINE=0 (no silent downloads); safetensors only.
+        directory = resolve_model_dir(args.target, what="target")
+        check_checkpoint(directory)
+        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+        target = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=False, dtype=dtype,
+                                                      use_safetensors=True)  # fmt: skip
+        target = target.to(device).eval()
+    prompts = load_prompts(args.prompts, tokenizer, args.limit)
+    if linear_attention_layers(target):
+        try:
+            fastpath.enable(target, strict=device.type == "cuda")
+        except fastpath.FastPathError as exc:
+            print(
+                f"flashdraft eval: the fast path is incomplete, timings would be meaningless:\n{exc}", file=sys.stderr
+            )
+            return EXIT_CHECK_FAILED
+    drafter = DFlashDraftModel.from_pretrained(args.drafter, dtype=dtype).to(device).eval()
+    check_fit(drafter, target, tokenizer, args.drafter, args.target)
+    stops = [] if args.ignore_eos else _stop_token_ids(target, tokenizer)
+
+    report = evaluate(
+        target,
+        drafter,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        block_size=args.block_size,
+        stop_token_ids=stops,
+        seed=args.seed,
+        progress=not args.no_progress,
+        engine={"auto": None, "on": True, "off": False}[args.engine],
+    )
+    report.update(
+        target=str(args.target),
+        drafter=str(args.drafter),
+        prompts=str(args.prompts),
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    print_report(report)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(_json_safe(report), indent=2) + "\n")
+    if args.plot:
+        write_plot(report, args.plot)
+    return EXIT_OK
+
+
+def _json_safe(value):
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
