@@ -112,7 +112,7 @@ def write_features(cfg, out: str, console=None) -> FeaturesResult:
 
 def _write_features(cfg, out: str, console) -> FeaturesResult:
     from flashdraft.train import distributed
-    from flashdraft.train.loop import load_inputs
+    from flashdraft.train.setup import load_inputs
 
     here = distributed.world()
     device, _, target, data, _ = load_inputs(cfg, Path(cfg.log.out), console, offline=False)

@@ -13,6 +13,7 @@ from flashdraft import bundled
 from flashdraft.config import load_config
 from flashdraft.data.features import FeatureStore, write_features
 from flashdraft.train import loop
+from flashdraft.train.setup import load_inputs
 from tests.data.conftest import moto_server, no_aws, s3  # noqa: F401 (the moto S3 fixtures of tests/data)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,7 @@ def features(data, tmp_path_factory):
 def test_features_are_what_the_target_captures(features, data):
     root, result = features
     cfg = _cfg(data, root / "run")
-    _, _, target, dataset, _ = loop.load_inputs(cfg, root / "run", None, offline=False)
+    _, _, target, dataset, _ = load_inputs(cfg, root / "run", None, offline=False)
     store = FeatureStore(str(root / "features"))
     index = json.loads((root / "features" / "features.json").read_text())
     assert result.samples == len(dataset) == index["num_samples"] and index["target_layer_ids"] == [1, 2, 3, 4, 5]  # the shipped drafter's
