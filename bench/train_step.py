@@ -18,7 +18,7 @@ captured layer is 61), then per sequence length, 512 anchors x 16, batch 1:
   --profile-target  GPU time of one `FrozenTarget.capture` by kernel family and the top kernels (where the target
                forward, most of a long-sequence step, goes)
 Each: warmup steps, then timed steps: median wall seconds per step (synchronised), sequence tokens/s, MFU of one FLOP
-count per length (the cost model of `flashdraft.train.loop.step_flops`, printed; docs/benchmarks.md explains it),
+count per length (the cost model of `flashdraft.train.flops.step_flops`, printed; docs/benchmarks.md explains it),
 peak GPU memory of the timed steps, CUDA-event breakdown by phase.
 Extra arguments `section.field=value` override flashdraft's config (e.g. train.compile=false).
 """
@@ -109,9 +109,9 @@ def flashdraft_config(d: naive.Dims, seq: int, device: str, overrides: list[str]
 
 
 def cost_flops(model, d: naive.Dims, seq: int, cfg) -> float:
-    """One FLOP count per length for both variants: `loop.step_flops` on the target and a meta-device drafter."""
+    """One FLOP count per length for both variants: `flops.step_flops` on the target and a meta-device drafter."""
     from flashdraft.drafter import DFlashDraftModel
-    from flashdraft.train.loop import step_flops
+    from flashdraft.train.flops import step_flops
 
     with torch.device("meta"):
         drafter = DFlashDraftModel.from_target(
@@ -179,7 +179,7 @@ def run_naive(model, d, seq, device, dtype, warmup, steps, flops) -> dict:
 
 
 def fbench_peak(device: str):
-    from flashdraft.train.peak_flops import device_peak
+    from flashdraft.train.flops import device_peak
 
     peak = device_peak(torch.device(device))
     return peak.flops if peak else None

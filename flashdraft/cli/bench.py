@@ -44,7 +44,7 @@ def run(args) -> int:
           f"{target.dtype}, {target.device}; drafter {sum(p.numel() for p in s.drafter.parameters()) / 1e6:.1f}M "
           f"params; seq {cfg.data.max_length} x batch {cfg.train.batch_size} x accum {cfg.train.grad_accum}, "
           f"{cfg.recipe.num_anchors} anchors x {s.drafter.block_size}", flush=True)  # fmt: skip
-    from flashdraft.train.peak_flops import describe
+    from flashdraft.train.flops import describe
 
     if (basis := describe(s.device, s.peak)) is not None:
         print(basis, flush=True)

@@ -129,7 +129,7 @@ def run(args) -> int:
     from flashdraft import fastpath
     from flashdraft.drafter import DFlashDraftModel
     from flashdraft.fastpath.patch import linear_attention_layers
-    from flashdraft.hub import check_checkpoint, resolve_model_dir
+    from flashdraft.hub import NO_HUB_KERNELS, check_checkpoint, resolve_model_dir
 
     device, dtype = _device_and_dtype(args.device, args.dtype)
     if args.target == bundled.BUNDLED:
@@ -141,7 +141,7 @@ def run(args) -> int:
         check_checkpoint(directory)
         tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
         target = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=False, dtype=dtype,
-                                                      use_safetensors=True)  # fmt: skip
+                                                      use_safetensors=True, **NO_HUB_KERNELS)  # fmt: skip
         target = target.to(device).eval()
     prompts = load_prompts(args.prompts, tokenizer, args.limit)
     if linear_attention_layers(target):

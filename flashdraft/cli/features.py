@@ -56,7 +56,7 @@ def run(args) -> int:
 def _write(cfg, out: str, console) -> FeaturesResult:
     """The config's target and training data (online: the target is run, whatever `data.features` says), then their
     features written to `out`."""
-    from flashdraft.train.loop import load_inputs
+    from flashdraft.train.setup import load_inputs
 
     _, _, target, data, _ = load_inputs(cfg, Path(cfg.log.out), console, offline=False)
     return write_features(target, data, out, s3=cfg.s3, sharded=cfg.target.shard, target_path=cfg.target.path)

@@ -35,6 +35,7 @@ def run(args) -> int:
     from rich.console import Console
 
     from flashdraft import bundled, fastpath
+    from flashdraft.hub import NO_HUB_KERNELS
 
     for name in ("max_new_tokens", "batch_size"):
         if getattr(args, name) < 1:
@@ -62,7 +63,8 @@ def run(args) -> int:
             raise FileNotFoundError(f"--target {args.target}: not a model directory")
         tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype,
-                                                     trust_remote_code=args.trust_remote_code).to(device)  # fmt: skip
+                                                     trust_remote_code=args.trust_remote_code,
+                                                     **NO_HUB_KERNELS).to(device)  # fmt: skip
     if backend == "hf":
         fastpath.enable(model, strict=device.type == "cuda")
         model = model.eval()

@@ -2,6 +2,6 @@
 (`capture.py`); tiny random targets of every supported family for tests and `flashdraft doctor` (`tiny.py`)."""
 
 from flashdraft.target.capture import FrozenTarget, glue_compile_enabled
-from flashdraft.target.load import load_target
+from flashdraft.target.load import build_target, load_model, load_target
 
-__all__ = ["FrozenTarget", "glue_compile_enabled", "load_target"]
+__all__ = ["FrozenTarget", "build_target", "glue_compile_enabled", "load_model", "load_target"]

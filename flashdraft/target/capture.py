@@ -5,7 +5,7 @@
     block = target.embed(block_ids)                               # the target's frozen input embedding
     drafter = DFlashDraftModel.from_target(target.config, target_layer_ids=target.target_layer_ids)
 
-Training needs the target only up to its last captured layer (`loop.step_flops` counts no more): the decoder layer list is
+Training needs the target only up to its last captured layer (`flops.step_flops` counts no more): the decoder layer list is
 truncated after `max(target_layer_ids)` (at load time, so the dropped layers are never read from disk), the final
 norm is replaced by an identity and the LM head is never called — only its weight is kept, for the drafter's loss.
 Features are captured by forward hooks on the decoder layers, written straight into one preallocated buffer.

@@ -1,6 +1,10 @@
-"""Load a frozen target: a local directory or a hub id, only the layers up to the last captured one.
+"""Load a target: the bundled one, a local directory or a hub id.
 
+    model = load_model("Qwen/Qwen3.5-27B", dtype=torch.bfloat16, device="cuda")   # the whole model, for decoding
+    target = build_target(cfg.target, layer_ids=None, device=device, dtype=dtype)  # frozen, for training
     target = load_target("Qwen/Qwen3.5-27B")                      # bf16 on the GPU, fast path proven
+
+A frozen target keeps only the layers up to the last captured one; the layers after it are never loaded.
 """
 
 from __future__ import annotations
@@ -13,11 +17,63 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from flashdraft import bundled, fastpath
+from flashdraft.config import TargetConfig
 from flashdraft.drafter.config import build_target_layer_ids, target_text_config
 from flashdraft.hub import NO_HUB_KERNELS, check_checkpoint, resolve_model_dir
 from flashdraft.target.capture import FrozenTarget, _truncate_config, _validate_layer_ids
 
 logger = logging.getLogger(__name__)
+
+
+def load_model(
+    spec: str | os.PathLike,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+):
+    """The whole causal LM of `spec` — `bundled.BUNDLED`, a local directory or a hub id (read from the cache
+    unless HF_HUB_OFFLINE=0; safetensors only) — on `device`, in eval mode, its linear-attention layers on the
+    device-aware fast path (unprobed for the bundled target; `fastpath.enable(model, strict=True)` proves it)."""
+    if str(spec) == bundled.BUNDLED:
+        return bundled.build_target(dtype=dtype, device=device).eval()
+    from transformers import AutoModelForCausalLM
+
+    directory = resolve_model_dir(spec, what="target", trust_remote_code=trust_remote_code)
+    check_checkpoint(directory)
+    attention = {"attn_implementation": attn_implementation} if attn_implementation is not None else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, **attention, **NO_HUB_KERNELS
+    ).to(device)
+    fastpath.enable(model, strict=False)
+    return model.eval()
+
+
+def build_target(
+    cfg: TargetConfig,
+    *,
+    layer_ids: Sequence[int] | None,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    num_features: int = 5,
+) -> FrozenTarget:
+    """The frozen target of `cfg` (`target.path`: the bundled target, a directory or a hub id), capturing
+    `layer_ids` (None: `num_features` layers spread over it). Not yet `configure`d: the caller may shard it first."""
+    if cfg.path == bundled.BUNDLED:
+        model = bundled.build_target(dtype=dtype, device=device)
+        ids = layer_ids or build_target_layer_ids(model.config.num_hidden_layers, num_features)
+        return FrozenTarget.from_model(model, ids)
+    return load_target(
+        cfg.path,
+        target_layer_ids=layer_ids,
+        num_features=num_features,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=cfg.trust_remote_code,
+        attn_implementation=cfg.attn_implementation,
+    )
 
 
 def load_target(

@@ -7,8 +7,8 @@
 It builds the target and the drafter as `flashdraft train` does and runs `loop.train_step` — the function the
 trainer runs — on synthetic sequences of `data.max_length` random tokens, all of them response tokens (so each gets
 `recipe.num_anchors` blocks, the recipe's steady state). It reports steady-state seconds per step, sequence tokens/s,
-MFU of the trainer's cost model (`loop.step_flops`; the FLOP count is printed) against the GPU's peak
-(`flashdraft.train.peak_flops`), peak GPU memory, and a CUDA-event breakdown: target
+MFU of the trainer's cost model (`flops.step_flops`; the FLOP count is printed) against the GPU's peak
+(`flashdraft.train.flops`), peak GPU memory, and a CUDA-event breakdown: target
 forward, drafter forward, loss (LM head forward and its input gradient), drafter backward, optimizer.
 `bench/train_step.py` runs the same function beside a naive trainer on a random Qwen3.5-27B-shaped target.
 """
@@ -20,6 +20,16 @@ import time
 
 import numpy as np
 import torch
+from transformers import AutoTokenizer
+
+from flashdraft.devices import resolve_device, resolve_dtype
+from flashdraft.target import build_target
+from flashdraft.train import loop
+from flashdraft.train.compile import compile_drafter, compile_enabled
+from flashdraft.train.flops import device_peak, step_flops
+from flashdraft.train.masks import attention_kind
+from flashdraft.train.optim import build_optimizer
+from flashdraft.train.setup import Setup, build_drafter, captured_layer_ids, tokenizer_path
 
 PHASES = ("target", "drafter_fwd", "loss", "drafter_bwd", "optimizer")
 
@@ -103,28 +113,19 @@ def measure(step, device: torch.device, warmup: int, steps: int) -> dict:
 def bench_setup(cfg, target, *, tokenizer=None, steps: int = 8):
     """A training `Setup` around a loaded `FrozenTarget`: the drafter as the trainer builds it (on the target's
     device, layers compiled per `train.compile`) and `steps` steps of synthetic data of `data.max_length` tokens."""
-    from flashdraft.train import loop
-    from flashdraft.train.compile import compile_drafter
-    from flashdraft.train.peak_flops import device_peak
-
     device = target.device
     target.configure(cfg.target)
     with torch.device(device):  # initialised in place: no CPU copy of a multi-GB drafter
-        drafter = loop._drafter(cfg, target, tokenizer)
+        drafter = build_drafter(cfg, target, tokenizer)
     compile_drafter(drafter, cfg.train, device)
     per_step = cfg.train.batch_size * cfg.train.grad_accum
     data = SyntheticSequences(steps * per_step, cfg.data.max_length, target.lm_head_weight.shape[0], cfg.train.seed)
     peak = device_peak(device, cfg.train.peak_tflops)
-    return loop.Setup(device, tokenizer, target, drafter, data, steps, steps, peak=peak)
+    return Setup(device, tokenizer, target, drafter, data, steps, steps, peak=peak)
 
 
 def run_train_step(s, cfg, *, warmup: int = 2, steps: int = 4) -> dict:
     """Time `loop.train_step` on `s` (from `bench_setup`, with >= warmup + steps steps of data)."""
-    from flashdraft.train import loop
-    from flashdraft.train.compile import compile_enabled
-    from flashdraft.train.masks import attention_kind
-    from flashdraft.train.optim import build_optimizer
-
     optimizer = build_optimizer(s.drafter.parameters(), cfg.optim, s.device)
     counts = {}
 
@@ -134,7 +135,7 @@ def run_train_step(s, cfg, *, warmup: int = 2, steps: int = 4) -> dict:
         counts.update(step=i + 1, tokens=tokens, labelled=int(stats.valid.sum()), finite=finite)
 
     result = measure(step, s.device, warmup, steps)
-    flops = loop.step_flops(s, counts["tokens"], counts["labelled"])
+    flops = step_flops(s, counts["tokens"], counts["labelled"])
     peak = s.peak.flops if s.peak else None
     result.update(
         variant="flashdraft",
@@ -184,25 +185,11 @@ def table(rows: list[dict]) -> str:
 
 
 def load_bench_target(cfg):
-    """The config's frozen target and tokenizer, as `loop.setup` loads them."""
-    from transformers import AutoTokenizer
-
-    from flashdraft import bundled
-    from flashdraft.target import FrozenTarget, load_target
-    from flashdraft.train.loop import _default_ids, _device, _dtype, captured_layer_ids
-
-    device = _device(cfg.train.device)
-    dtype = _dtype(cfg.target.dtype, device)
+    """The config's frozen target and tokenizer, as `setup.load_inputs` loads them."""
+    device = resolve_device(cfg.train.device, field="train.device")
+    dtype = resolve_dtype(cfg.target.dtype, device)
     torch.manual_seed(cfg.train.seed)
-    if cfg.target.path == bundled.BUNDLED:
-        model = bundled.build_target(dtype=dtype, device=device)
-        ids = captured_layer_ids(cfg) or _default_ids(model.config.num_hidden_layers, cfg.drafter.num_layers)
-        target = FrozenTarget.from_model(model, ids)
-        tokenizer_path = cfg.data.tokenizer or str(bundled.tokenizer_dir())
-    else:
-        target = load_target(cfg.target.path, target_layer_ids=captured_layer_ids(cfg), dtype=dtype,
-                             device=device, trust_remote_code=cfg.target.trust_remote_code,
-                             attn_implementation=cfg.target.attn_implementation)  # fmt: skip
-        tokenizer_path = cfg.data.tokenizer or cfg.target.path
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=cfg.target.trust_remote_code)
+    target = build_target(cfg.target, layer_ids=captured_layer_ids(cfg), device=device, dtype=dtype,
+                          num_features=cfg.drafter.num_layers)  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(cfg), trust_remote_code=cfg.target.trust_remote_code)
     return target, tokenizer

@@ -12,7 +12,8 @@ import torch
 from flashdraft import bundled
 from flashdraft.config import load_config
 from flashdraft.data.features import FeatureStore, write_features
-from flashdraft.train import loop
+from flashdraft.train import loop, setup
+from flashdraft.train.setup import load_inputs
 from tests.data.conftest import moto_server, no_aws, s3  # noqa: F401 (the moto S3 fixtures of tests/data)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ def _cfg(data: Path, out: Path, *extra: str):
 
 def _write(cfg, out: str):
     """The features of `cfg`'s training data, its target and data built as `flashdraft features` builds them."""
-    _, _, target, data, _ = loop.load_inputs(cfg, Path(cfg.log.out), None, offline=False)
+    _, _, target, data, _ = setup.load_inputs(cfg, Path(cfg.log.out), None, offline=False)
     return write_features(target, data, out, s3=cfg.s3, sharded=cfg.target.shard, target_path=cfg.target.path)
 
 
@@ -53,7 +54,7 @@ def features(data, tmp_path_factory):
 def test_features_are_what_the_target_captures(features, data):
     root, result = features
     cfg = _cfg(data, root / "run")
-    _, _, target, dataset, _ = loop.load_inputs(cfg, root / "run", None, offline=False)
+    _, _, target, dataset, _ = load_inputs(cfg, root / "run", None, offline=False)
     store = FeatureStore(str(root / "features"))
     index = json.loads((root / "features" / "features.json").read_text())
     assert result.samples == len(dataset) == index["num_samples"] and index["target_layer_ids"] == [1, 2, 3, 4, 5]  # the shipped drafter's

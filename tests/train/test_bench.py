@@ -10,7 +10,7 @@ from flashdraft import bundled
 from flashdraft.config import load_config
 from flashdraft.drafter import DFlashDraftModel
 from flashdraft.train import bench
-from flashdraft.train.loop import step_flops
+from flashdraft.train.flops import step_flops
 
 TINY = ["data.max_length=48", "recipe.num_anchors=5", "train.batch_size=2", "train.grad_accum=2"]
 

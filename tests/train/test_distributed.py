@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from flashdraft import bundled
 from flashdraft.config import load_config
-from flashdraft.train import loop
+from flashdraft.train import loop, setup
 from flashdraft.train.checkpoint import CheckpointManager
 from flashdraft.train.optim import build_optimizer, build_scheduler
 
@@ -62,7 +62,7 @@ def _cfg(out: Path, *extra: str):
 def _state(out: Path, step: int, *extra: str):
     """Weights and optimizer state of a run's checkpoint, loaded in this (one) process whatever wrote it."""
     cfg = _cfg(out, *extra)
-    s = loop.setup(cfg, out, None)
+    s = setup.setup(cfg, out, None)
     optimizer = build_optimizer(s.drafter.parameters(), cfg.optim, s.device)
     scheduler = build_scheduler(optimizer, cfg.optim, s.total_steps)
     CheckpointManager(out).load(CheckpointManager(out).path_for(step), s.drafter, optimizer, scheduler)

@@ -284,38 +284,6 @@ def test_compiled_flex_steps_over_ragged_batches_on_gpu():
     torch.testing.assert_close(losses["fast"], losses["eager"], rtol=2e-2, atol=1e-3)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_measured_tau_on_gpu_decodes_the_master_weights_on_the_engine(monkeypatch):
-    """What stopped a run's closing τ on the H200: the float32 master weights beside the bf16 target went into the
-    engine under autocast (bf16 keys into a float32 cache). The engine now decodes a bf16 copy of them; the τ is
-    the shipped drafter's real one, and the training drafter is left as it was."""
-    from flashdraft.speculative.engine import session as engine_loop
-    from flashdraft.train import bench
-
-    cfg = load_config(bundled.ASSETS / "train.yaml", ["train.device=cuda", "data.eval_limit=4"])
-    target, tokenizer = bench.load_bench_target(cfg)
-    s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=1)
-    assert next(s.drafter.parameters()).dtype == torch.float32
-    decoded_with = []
-    engine_decode = engine_loop.engine_decode
-    monkeypatch.setattr(engine_loop, "engine_decode",
-                        lambda *a, **kw: decoded_with.append(kw["drafter"]) or engine_decode(*a, **kw))  # fmt: skip
-    tau = loop.measure_tau(cfg, s)
-    assert [next(d.parameters()).dtype for d in decoded_with] == [torch.bfloat16] * 4
-    assert tau > 2.0  # the shipped drafter: ~4.7 on the held-out prompts; a copy without its weights drafts ~1.0
-    assert s.drafter.training and next(s.drafter.parameters()).dtype == torch.float32
-
-
-def test_target_compile_reaches_the_frozen_target(tmp_path):
-    """`target.compile` compiles the glue of the target the trainer (and `flashdraft features`) loads; auto leaves
-    it eager on the CPU. torch.compile is lazy, so nothing compiles here."""
-    for setting, compiled in (("false", False), ("true", True), ("auto", False)):
-        cfg = _cfg(tmp_path / setting, f"target.compile={setting}")
-        target = loop.load_inputs(cfg, tmp_path / setting, console=None)[2]
-        assert target.glue_compiled is compiled
-
-
 # ---- --resume of a job stopped before its first checkpoint ------------------------------------------------------
 
 # Two steps, no checkpoint before the last one, no measured τ: the cheapest complete run.

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flashdraft.train import loop, peak_flops
+from flashdraft.train import flops, loop
 from flashdraft.train.metrics import format_line
 
 CUDA = torch.device("cuda")
@@ -49,9 +49,9 @@ def gpu(monkeypatch):
 )
 def test_known_gpus_get_their_own_peak(gpu, name, capability, sms, tflops):
     gpu(name, capability, sms)
-    peak = peak_flops.device_peak(CUDA)
+    peak = flops.device_peak(CUDA)
     assert peak is not None and peak.flops == tflops * 1e12
-    assert f"{tflops:g} TFLOP/s" in peak_flops.describe(CUDA, peak) and name in peak_flops.describe(CUDA, peak)
+    assert f"{tflops:g} TFLOP/s" in flops.describe(CUDA, peak) and name in flops.describe(CUDA, peak)
 
 
 @pytest.mark.parametrize(
@@ -66,21 +66,21 @@ def test_known_gpus_get_their_own_peak(gpu, name, capability, sms, tflops):
 )
 def test_unknown_gpus_have_no_peak(gpu, name, capability, sms):
     gpu(name, capability, sms)
-    assert peak_flops.device_peak(CUDA) is None
-    assert "MFU: unknown" in peak_flops.describe(CUDA, None) and "train.peak_tflops" in peak_flops.describe(CUDA, None)
+    assert flops.device_peak(CUDA) is None
+    assert "MFU: unknown" in flops.describe(CUDA, None) and "train.peak_tflops" in flops.describe(CUDA, None)
 
 
 def test_the_h200_row_says_it_is_measured_and_keeps_the_datasheet_figure(gpu):
     gpu("NVIDIA H200", (9, 0), 132)
-    peak = peak_flops.device_peak(CUDA)
+    peak = flops.device_peak(CUDA)
     assert "measured" in peak.source and "datasheet 989.5" in peak.source
 
 
 def test_a_given_peak_wins_and_a_cpu_has_none(gpu):
     gpu("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0), 188)
-    assert peak_flops.device_peak(CUDA, override_tflops=500.0).flops == 500e12
-    assert peak_flops.device_peak(torch.device("cpu")) is None
-    assert peak_flops.describe(torch.device("cpu"), None) is None
+    assert flops.device_peak(CUDA, override_tflops=500.0).flops == 500e12
+    assert flops.device_peak(torch.device("cpu")) is None
+    assert flops.describe(torch.device("cpu"), None) is None
 
 
 def _window_stats():
@@ -91,7 +91,7 @@ def _window_stats():
                      valid=torch.tensor([0, 2, 2]), accepted=torch.tensor(3), blocks=torch.tensor(2))  # fmt: skip
 
 
-@pytest.mark.parametrize("peak, mfu", [(None, None), (peak_flops.Peak(1e9, "test"), 0.2)])
+@pytest.mark.parametrize("peak, mfu", [(None, None), (flops.Peak(1e9, "test"), 0.2)])
 def test_summarize_reports_mfu_against_the_devices_peak_or_unknown(monkeypatch, peak, mfu):
     monkeypatch.setattr(loop, "step_flops", lambda s, tokens, labelled: 2e8 * (tokens == 100 and labelled == 4))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 2**30)
@@ -108,7 +108,7 @@ def test_summarize_reports_mfu_against_the_devices_peak_or_unknown(monkeypatch, 
 def test_the_gpu_here_matches_its_row():
     """On a GPU the table names, the name, capability and SM count it reports all agree with its row."""
     name = torch.cuda.get_device_name()
-    if not any(re.search(gpu.name, name, re.IGNORECASE) for gpu in peak_flops.GPUS):
+    if not any(re.search(gpu.name, name, re.IGNORECASE) for gpu in flops.GPUS):
         pytest.skip(f"{name} is not in the table")
-    peak = peak_flops.device_peak(CUDA)
+    peak = flops.device_peak(CUDA)
     assert peak is not None, (name, torch.cuda.get_device_capability(), torch.cuda.get_device_properties(CUDA))

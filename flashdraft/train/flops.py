@@ -1,7 +1,9 @@
-"""The dense bf16 peak of the GPU a run is on: the denominator of MFU.
+"""MFU's numerator and denominator: the FLOPs of a training step (the cost model) and the dense bf16 peak of the
+GPU it runs on.
 
+    flops = step_flops(s, seq_tokens, labelled)      # one step of Setup `s`
     peak = device_peak(torch.device("cuda"))         # None on the CPU and on a GPU missing from the table
-    mfu = flops_per_second / peak.flops if peak else None
+    mfu = flops / seconds / peak.flops if peak else None
 
 The GPU is recognised by its name (`torch.cuda.get_device_name`), compute capability and streaming multiprocessor
 count, all three; a GPU that matches no row (a newer model, a MIG slice with fewer SMs) has no known peak, and MFU is
@@ -122,3 +124,19 @@ def describe(device: torch.device, peak: Peak | None) -> str | None:
         return (f"MFU: unknown on {name} (not in flashdraft's table of GPUs); set train.peak_tflops to its dense "
                 "bf16 TFLOP/s to report it")  # fmt: skip
     return f"MFU against {peak.source} ({name})"
+
+
+def step_flops(s, seq_tokens: int, labelled: int) -> float:
+    """FLOPs of a training step of `s` (a `Setup`, or anything with its `.target` and `.drafter`), attention
+    excluded: 2 x params for the target forward up to the last captured layer over the sequence tokens, 6 x params
+    for the drafter's forward and backward (fc over the sequence tokens, the rest over the block positions),
+    4 x vocab x width for the LM-head loss (its forward and input gradient) over the labelled positions."""
+    target_params = sum(
+        p.numel() for n, p in s.target.model.named_parameters() if "embed" not in n and "lm_head" not in n
+    )
+    fc_params = s.drafter.fc.weight.numel()  # fc runs over the context tokens, every other weight over the blocks
+    drafter_params = sum(p.numel() for p in s.drafter.parameters()) - fc_params
+    vocab, width = s.target.lm_head_weight.shape
+    blocks_tokens = labelled * s.drafter.block_size / max(1, s.drafter.block_size - 1)
+    return (2 * target_params * seq_tokens + 6 * drafter_params * blocks_tokens + 6 * fc_params * seq_tokens
+            + 4 * vocab * width * labelled)  # fmt: skip

@@ -1,0 +1,73 @@
+"""The measured τ: real speculative decoding (greedy) of held-out prompts with the drafter being trained, against
+the full (untruncated) target — during training (`log.eval_every`) and once at the end of a run.
+
+    tau = measure_tau(cfg, s, out / "measured_tau.json")      # None when there are no held-out prompts
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+from flashdraft import bundled
+from flashdraft.config import RunConfig
+from flashdraft.devices import autocast
+from flashdraft.drafter import DFlashDraftModel
+from flashdraft.speculative.generate import generate, use_engine
+from flashdraft.speculative.prompts import load_prompts
+from flashdraft.target import load_model
+from flashdraft.train import distributed
+from flashdraft.train.setup import Setup
+
+
+def periodic_tau(cfg: RunConfig, s: Setup) -> float | None:
+    """measure_tau during training: every rank gathers the (sharded) drafter, rank 0 decodes, the others go on to
+    the next step's collectives and wait there."""
+    plain = distributed.gather_drafter(s.drafter)
+    return None if plain is None else measure_tau(cfg, s, drafter=plain)
+
+
+def measure_tau(
+    cfg: RunConfig, s: Setup, json_out: Path | None = None, drafter: DFlashDraftModel | None = None
+) -> float | None:
+    """τ of real speculative decoding (greedy) on held-out prompts, against the full (untruncated) target.
+
+    None when there are no held-out prompts. The full target is loaded once per run and kept on `s`. `drafter`:
+    a plain (unsharded) drafter to decode with, default `s.drafter`.
+    """
+    prompts_path = cfg.data.eval_prompts
+    if prompts_path == bundled.BUNDLED:
+        if cfg.data.train != [bundled.BUNDLED]:
+            return None
+        prompts_path = str(bundled.eval_prompts())
+    if prompts_path is None:
+        return None
+    if s.full_target is None:
+        s.full_target = load_model(cfg.target.path, dtype=s.target.dtype, device=s.device,
+                                   trust_remote_code=cfg.target.trust_remote_code)  # fmt: skip
+    full = s.full_target
+    drafter = (drafter or s.drafter).eval()
+    decoder, precision = drafter, autocast(s.device)
+    target_dtype = next(full.parameters()).dtype
+    if use_engine(full, None) and next(drafter.parameters()).dtype != target_dtype:
+        # The engine runs each model in its own dtype, without autocast: decode with a copy of the float32 master
+        # weights in the target's dtype. Built from the config, not deep-copied: compiled layers would go on calling
+        # the modules they were compiled from.
+        with torch.device(s.device):
+            decoder = DFlashDraftModel(drafter.config).to(target_dtype).eval()
+        decoder.load_state_dict(drafter.state_dict())
+        precision = contextlib.nullcontext()
+    taus = []
+    for prompt in load_prompts(prompts_path, s.tokenizer, cfg.data.eval_limit):
+        # Decoding runs the (train.compile) compiled layers eagerly: its cache and shapes change every round.
+        with torch.no_grad(), precision, torch.compiler.set_stance("force_eager"):
+            result = generate(full, decoder, prompt.input_ids.to(s.device), cfg.data.eval_max_new_tokens)
+        taus.append(result.tau)
+    drafter.train()
+    tau = sum(taus) / len(taus)
+    if json_out is not None:
+        json_out.write_text(json.dumps({"tau": tau, "per_prompt": taus}))
+    return tau
