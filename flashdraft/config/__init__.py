@@ -1,7 +1,4 @@
-"""The run config: documented dataclasses (schema.py) filled from YAML and dotted CLI overrides (load.py).
-
-    cfg = load_config("examples/tiny.yaml", ["train.lr=3e-4", "data.max_length=512"])
-"""
+"""The run config: documented dataclasses (schema.py) filled from YAML and dotted CLI overrides (load.py)."""
 
 from flashdraft.config.load import describe_fields, from_dict, load_config, to_dict
 from flashdraft.config.schema import (

@@ -12,6 +12,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+
 class ConfigError(ValueError):
     """A config value is unknown, of the wrong type or impossible; the message names the field and the fix.
 
