@@ -34,10 +34,12 @@ from flashdraft.train.checkpoint import CheckpointManager
 from flashdraft.train.compile import compile_drafter, static_shapes
 from flashdraft.train.loss import dflash_loss
 from flashdraft.train.masks import attention_kind, drafter_mask
-from flashdraft.train.metrics import MetricsLogger, check_trackers, draw_training_curve
+from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.optim import build_optimizer, build_scheduler
 from flashdraft.train.peak_flops import Peak, describe, device_peak
+from flashdraft.train.plot import draw_training_curve
 from flashdraft.train.stop import GracefulStop
+from flashdraft.train.trackers import check_trackers
 
 logger = logging.getLogger(__name__)
 
