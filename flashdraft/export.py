@@ -17,7 +17,8 @@ from pathlib import Path
 from transformers import Qwen3Config
 
 from flashdraft.drafter.config import draft_value, validate_draft_config
-from flashdraft.drafter.model import DFlashDraftModel, atomic_directory
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.io.atomic import atomic_directory
 
 PLACEHOLDER_TARGET = "TARGET_MODEL"  # shown in the command lines when no --target is given
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from flashdraft.cli.exit_codes import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_OK
-from flashdraft.speculative.evaluate import _require_matplotlib, evaluate, load_prompts, print_report, write_plot
+from flashdraft.speculative.evaluate import _require_matplotlib, evaluate, print_report, write_plot
+from flashdraft.speculative.prompts import load_prompts
 
 
 def add_parser(subparsers) -> None:

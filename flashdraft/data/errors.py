@@ -7,11 +7,11 @@ dropped without being counted.
 
 from __future__ import annotations
 
-import os
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+from flashdraft.io.redact import redact
 
 # reason key -> what the summary table calls it
 REASONS = {
@@ -33,21 +33,7 @@ REASONS = {
     "unreadable_file": "unreadable file",
 }
 
-# Environment variables whose values must never reach a message, a log line or meta.json.
-_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID")
-_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
-_BARE_USERINFO = re.compile(r"[^\s/@\"':]+:[^\s/@\"']+@")  # "key:secret@bucket" inside a library's message
 _MAX_EXAMPLES = 3  # locations kept per skip reason, for the report
-
-
-def redact(text: str) -> str:
-    """`text` with URL credentials (`scheme://user:secret@host`) and AWS secrets from the environment removed."""
-    text = _BARE_USERINFO.sub("***@", _USERINFO.sub(r"\g<scheme>***@", str(text)))
-    for name in _SECRET_ENV:
-        value = os.environ.get(name)
-        if value and len(value) >= 4:
-            text = text.replace(value, f"<{name}>")
-    return text
 
 
 class DataError(ValueError):
@@ -68,9 +54,9 @@ class DataError(ValueError):
         field: str | None = None,
         skippable: bool = True,
     ):
-        self.what = redact(what)
+        self.what = redact(str(what))
         self.reason = reason
-        self.source = redact(source) if source is not None else None
+        self.source = redact(str(source)) if source is not None else None
         self.line = line
         self.row = row
         self.field = field
@@ -80,7 +66,7 @@ class DataError(ValueError):
     def at(self, source: str, *, line: int | None = None, row: int | None = None) -> DataError:
         """Fill in the location where it is not set yet (formats raise without knowing the file); return self."""
         if self.source is None:
-            self.source = redact(source)
+            self.source = redact(str(source))
             self.line, self.row = line, row
         return self
 

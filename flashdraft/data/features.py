@@ -40,6 +40,7 @@ from torch import nn
 
 from flashdraft.data.errors import DataError
 from flashdraft.io import lock
+from flashdraft.io.atomic import atomic_write_bytes
 from flashdraft.io.space import room_for
 
 logger = logging.getLogger(__name__)
@@ -74,17 +75,7 @@ def _put(fs, path: str, data: bytes) -> None:
     from fsspec.implementations.local import LocalFileSystem
 
     if isinstance(fs, LocalFileSystem):
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic_write_bytes(path, data, tmp=f"{path}.tmp-{os.getpid()}")
     else:
         fs.pipe_file(path, data)
 

@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 from array import array
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import numpy as np
 
 from flashdraft.data.errors import DataError
 from flashdraft.data.formats import Sample
+from flashdraft.io.atomic import fsync_dir, fsync_file, replace_directory, temporary_directory_beside
 
 FORMAT_VERSION = 1
 INPUT_IDS, LOSS_MASK, INDEX, META = "input_ids.bin", "loss_mask.bin", "index.npy", "meta.json"
@@ -46,8 +46,7 @@ class ShardWriter:
     def __init__(self, out: str | os.PathLike, *, replace: bool = False):
         self.out = Path(out)
         self.replace = replace
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        self.tmp = temporary_directory_beside(self.out)
         self._ids = open(self.tmp / INPUT_IDS, "wb")
         self._mask = open(self.tmp / LOSS_MASK, "wb")
         self._offsets, self._lengths = array("q"), array("q")
@@ -83,13 +82,12 @@ class ShardWriter:
     def commit(self, meta: dict[str, Any] | None = None) -> Path:
         """Write index and meta, make the files durable, and move the directory into place."""
         for f in (self._ids, self._mask):
-            f.flush()
-            os.fsync(f.fileno())
+            fsync_file(f)
             f.close()
         index = np.stack([np.frombuffer(self._offsets, np.int64), np.frombuffer(self._lengths, np.int64)], axis=1)
         with open(self.tmp / INDEX, "wb") as f:
             np.save(f, index.reshape(-1, 2))
-            _sync(f)
+            fsync_file(f)
         meta = {
             **(meta or {}),
             "format_version": FORMAT_VERSION,
@@ -100,18 +98,11 @@ class ShardWriter:
         }
         with open(self.tmp / META, "w") as f:
             f.write(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-            _sync(f)
-        _sync_dir(self.tmp)  # the files' names too, before the rename publishes them
-        if self.out.exists():
-            if not self.replace:
-                raise DataError(f"{self.out} already exists (pass --force to replace it)", skippable=False)
-            old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-", dir=self.out.parent))
-            os.replace(self.out, old / self.out.name)
-            os.replace(self.tmp, self.out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(self.tmp, self.out)
-        _sync_dir(self.out.parent)
+            fsync_file(f)
+        fsync_dir(self.tmp)  # the files' names too, before the rename publishes them
+        if self.out.exists() and not self.replace:
+            raise DataError(f"{self.out} already exists (pass --force to replace it)", skippable=False)
+        replace_directory(self.tmp, self.out)
         self.committed = True
         return self.out
 
@@ -123,19 +114,6 @@ class ShardWriter:
                     f.close()
         if self.tmp.exists():
             shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def _sync(f) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any] | None:

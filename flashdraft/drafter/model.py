@@ -16,14 +16,10 @@ Checkpoints are in the format of the reference `dflash` package (also read by SG
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -49,6 +45,7 @@ from flashdraft.drafter.config import (
 )
 from flashdraft.drafter.mask_token import choose_mask_token_id
 from flashdraft.hub import NO_HUB_KERNELS
+from flashdraft.io.atomic import atomic_directory
 
 logger = logging.getLogger(__name__)
 
@@ -426,27 +423,3 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         """Write the checkpoint files into an existing `directory`, in place (not atomic)."""
         self.config.auto_map = dict(AUTO_MAP)
         super().save_pretrained(directory, **kwargs)
-
-
-@contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary directory beside `path`; on success it replaces `path` by a rename.
-
-    Readers never see a half-written `path`: either the old directory or the complete new one (during the
-    swap, `path` is briefly absent). On error the temporary directory is removed and `path` is left as it was.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        yield tmp
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.replace(path, old / path.name)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)

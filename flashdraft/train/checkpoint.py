@@ -69,6 +69,7 @@ from safetensors.torch import load as load_safetensors
 from torch import nn
 
 from flashdraft.io import lock
+from flashdraft.io.atomic import atomic_write_text, fsync_tree, replace_directory, write_synced
 from flashdraft.io.space import room_for
 
 logger = logging.getLogger(__name__)
@@ -152,11 +153,11 @@ class CheckpointManager:
                 _torch_save(optimizer.state_dict(), tmp / "optimizer.pt")
                 _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
                 _torch_save(rng, tmp / "rng.pt")
-                _write_text(tmp / "trainer_state.json", state_json)
+                write_synced(tmp / "trainer_state.json", state_json)
                 files = _hash_files(tmp, sorted(_relative_files(tmp)))
                 manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
-                _write_text(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-                _fsync_tree(tmp)
+                write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+                fsync_tree(tmp)
                 self._install(tmp, final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -196,11 +197,11 @@ class CheckpointManager:
                     _save_plain_drafter(drafter, full, tmp / "drafter")
                     _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
                     _torch_save(rng, tmp / "rng.pt")
-                    _write_text(tmp / "trainer_state.json", state_json)
+                    write_synced(tmp / "trainer_state.json", state_json)
                     files = _hash_files(tmp, sorted(_relative_files(tmp)))
                     manifest = {"format": FORMAT_VERSION, "step": step, "ranks": dist.get_world_size(), "files": files}
-                    _write_text(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-                    _fsync_tree(tmp)
+                    write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+                    fsync_tree(tmp)
                     self._install(tmp, final)
             except BaseException:
                 if main:
@@ -223,22 +224,12 @@ class CheckpointManager:
         return room_for(self.root, needed, f"checkpoint {final.name}", hint)
 
     def _install(self, tmp: Path, final: Path) -> None:
-        """Rename the finished temporary directory to `final` (replacing a checkpoint of the same step)."""
-        if final.exists():
-            old = self.root / f"{TMP_PREFIX}old-{final.name}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(self.root)
+        """Rename the finished temporary directory to `final` (replacing a checkpoint of the same step); the old
+        one goes aside under a `.tmp-` name, which `_remove_stale_tmp` clears if a kill leaves it."""
+        replace_directory(tmp, final, aside=self.root / f"{TMP_PREFIX}old-{final.name}")
 
     def _write_pointer(self, name: str) -> None:
-        tmp = self.root / f"{TMP_PREFIX}{POINTER}"
-        _write_text(tmp, name + "\n")
-        os.replace(tmp, self.root / POINTER)
-        _fsync_dir(self.root)
+        atomic_write_text(self.root / POINTER, name + "\n", tmp=self.root / f"{TMP_PREFIX}{POINTER}")
 
     def _remove_stale_tmp(self, held: lock.OutputLock | None) -> None:
         """Leftovers of a save that was killed. Only under the output directory's lock, which this process holds:
@@ -534,13 +525,6 @@ def _torch_load(path: Path, data: bytes | None = None) -> Any:
         raise CheckpointError(f"{path}: cannot be read with torch.load(weights_only=True): {exc}") from None
 
 
-def _write_text(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _relative_files(root: Path) -> list[str]:
     return [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
 
@@ -670,23 +654,3 @@ def _hash_files(root: Path, names: list[str]) -> dict[str, dict]:
         digests = list(pool.map(lambda name: _sha256(root / name), names))
     return {name: {"size": (root / name).stat().st_size, "sha256": d} for name, d in zip(names, digests, strict=True)}
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Flush every file, then every directory, so the rename that publishes `root` cannot outrun its contents."""
-    dirs = [root]
-    for path in root.rglob("*"):
-        if path.is_dir():
-            dirs.append(path)
-        else:
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    for path in reversed(dirs):
-        _fsync_dir(path)

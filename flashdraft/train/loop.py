@@ -31,11 +31,13 @@ from flashdraft.train.compile import static_shapes
 from flashdraft.train.flops import step_flops
 from flashdraft.train.loss import dflash_loss
 from flashdraft.train.masks import attention_kind, drafter_mask
-from flashdraft.train.metrics import MetricsLogger, check_trackers, draw_training_curve
+from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.optim import build_optimizer, build_scheduler
+from flashdraft.train.plot import draw_training_curve
 from flashdraft.train.setup import Setup, collate, pad_positions, setup, step_blocks, step_indices
 from flashdraft.train.stop import GracefulStop
 from flashdraft.train.tau import measure_tau, periodic_tau
+from flashdraft.train.trackers import check_trackers
 
 logger = logging.getLogger(__name__)
 

@@ -21,21 +21,13 @@ acc@1 shown), tok_s, draft_tok_s, mfu (a fraction; None is shown as "MFU –", u
 key goes to the JSON line. The line is printed whole, never wrapped at the console's width, so a log file or a pipe
 holds one line per log step; the progress bar is drawn only on a terminal.
 
-Trackers, each used only when named in `log.trackers`: "wandb" (project $WANDB_PROJECT or "flashdraft"; wandb
-itself reads WANDB_MODE, WANDB_DIR, ...), "tensorboard" (SummaryWriter in OUT/tb), "trackio" (project
-$TRACKIO_PROJECT or "flashdraft"). They receive the run config through `redact`, never environment values. A named
-tracker that is not installed is a config error (`check_trackers`, before anything loads): whoever names one wants
-that run's dashboard, and a run of hours that quietly went without it is found out only when it is too late. One
-that is installed but fails to start or to log (no login, no network) is dropped with a warning; training goes on.
-
-The curve needs matplotlib (`pip install 'flashdraft[plot]'`): `draw_training_curve` says in one line that it was
-not drawn, and how to get it, where `plot_training_curve` raises.
+Trackers (wandb, tensorboard, trackio) live in `flashdraft.train.trackers`; they receive the run config through
+`redact`. The curve is drawn by `flashdraft.train.plot`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import logging
 import math
@@ -48,30 +40,12 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from flashdraft.io.atomic import atomic_write_text
+from flashdraft.io.redact import redact
+from flashdraft.train.trackers import Tracker, check_trackers, open_tracker
+
 logger = logging.getLogger(__name__)
 
-TRACKERS = ("wandb", "tensorboard", "trackio")
-REDACTED = "<redacted>"
-PLOT_EXTRA = "pip install 'flashdraft[plot]'"
-
-
-def check_trackers(names: list[str] | tuple[str, ...], installed: bool = True) -> None:
-    """Raise ValueError naming `log.trackers` for a tracker that is unknown or (`installed`) not installed."""
-    unknown = [name for name in names if name not in TRACKERS]
-    if unknown:
-        raise ValueError(f"log.trackers: unknown tracker {unknown[0]!r}; valid: {', '.join(TRACKERS)}")
-    for name in names if installed else ():
-        package = _TRACKER_CLASSES[name][1]
-        if not _installed(package):
-            raise ValueError(f"log.trackers: {name!r} is not installed: pip install {package} (or remove {name!r} "
-                             "from log.trackers)")  # fmt: skip
-
-
-def _installed(package: str) -> bool:
-    try:
-        return importlib.util.find_spec(package) is not None
-    except (ImportError, ValueError):  # a broken install, or a module set to None in sys.modules
-        return False
 
 
 class MetricsLogger:
@@ -95,7 +69,7 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.latest: dict = {}
         self._file = None
-        self._trackers: list[_Tracker] = []
+        self._trackers: list[Tracker] = []
         self._progress: Progress | None = None
         self._task = None
         self._first_advance = True
@@ -109,7 +83,7 @@ class MetricsLogger:
         self._file = open(self.path, "a")
         safe_config = redact(config or {})
         for name in dict.fromkeys(trackers):
-            tracker = _open_tracker(name, self.out, safe_config, resume_from_step)
+            tracker = open_tracker(name, self.out, safe_config, resume_from_step)
             if tracker is not None:
                 self._trackers.append(tracker)
 
@@ -328,249 +302,6 @@ def _prepare_jsonl(path: Path, resume_from_step: int | None) -> None:
         kept = []
     else:
         kept = [r for r in read_metrics(path) if r["step"] <= resume_from_step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(json.dumps(r, allow_nan=False) + "\n" for r in kept))
 
 
-# ---- secrets ----------------------------------------------------------------------------------------------------
-
-# Word sequences that make a key secret wherever they appear in it, and last words that do at the end
-# (hf_token, wandb_api_key) but not in the middle (mask_token_id, linear_key_head_dim) or plural (max_tokens).
-_SECRET_WORDS = ("secret", "password", "passwd", "credential", "credentials", "api_key", "apikey", "access_key",
-                 "private_key", "auth_token")  # fmt: skip
-_SECRET_LAST_WORDS = ("key", "token")
-# Tokenizer special tokens are strings like "<|im_end|>", not credentials.
-_NOT_SECRET = ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token", "sep_token", "cls_token")
-_URL_PASSWORD = re.compile(r"(://[^/@:\s]+):[^/@\s]+@")
-
-
-def is_secret_key(key: str) -> bool:
-    """Whether a config key names a credential, by whole words: aws_secret_access_key, WANDB_API_KEY, hfToken."""
-    words = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(key)).lower()
-    words = [w for w in re.split(r"[^a-z0-9]+", words) if w]
-    if not words:
-        return False
-    joined = "_" + "_".join(words) + "_"
-    if joined.strip("_") in _NOT_SECRET:
-        return False
-    return words[-1] in _SECRET_LAST_WORDS or any(f"_{w}_" in joined for w in _SECRET_WORDS)
-
-
-def redact(config: Any) -> Any:
-    """A copy of `config` with credential-named keys (see `is_secret_key`) and passwords in URLs replaced."""
-    if isinstance(config, Mapping):
-        return {
-            key: (REDACTED if value is not None else None) if is_secret_key(key) else redact(value)
-            for key, value in config.items()
-        }
-    if isinstance(config, list | tuple):
-        return [redact(v) for v in config]
-    if isinstance(config, str):
-        return _URL_PASSWORD.sub(rf"\1:{REDACTED}@", config)
-    return config
-
-
-# ---- trackers ---------------------------------------------------------------------------------------------------
-
-
-class _Tracker:
-    name = ""
-
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-
-class _TensorBoard(_Tracker):
-    name = "tensorboard"
-
-    def __init__(self, out: Path, config: dict, resume_from_step: int | None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        # purge_step drops events logged after the checkpoint, like the metrics.jsonl truncation.
-        purge = None if resume_from_step is None else resume_from_step + 1
-        self.writer = SummaryWriter(log_dir=str(out / "tb"), purge_step=purge)
-        if resume_from_step is None:
-            self.writer.add_text("config", "```\n" + json.dumps(config, indent=1) + "\n```", 0)
-
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        for key, value in scalars.items():
-            self.writer.add_scalar(key, value, step)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class _Wandb(_Tracker):
-    name = "wandb"
-
-    def __init__(self, out: Path, config: dict, resume_from_step: int | None) -> None:
-        import wandb
-
-        # The run id is kept beside the metrics so a resumed run continues the same wandb run.
-        id_file = out / "wandb_run_id"
-        run_id = id_file.read_text().strip() if resume_from_step is not None and id_file.is_file() else None
-        self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "flashdraft"),
-            config=config,
-            dir=str(out),
-            id=run_id,
-            resume="allow" if run_id else None,
-        )
-        id_file.write_text(self.run.id + "\n")
-
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        self.run.log(scalars, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-class _Trackio(_Tracker):
-    name = "trackio"
-
-    def __init__(self, out: Path, config: dict, resume_from_step: int | None) -> None:
-        import trackio
-
-        self.trackio = trackio
-        trackio.init(project=os.environ.get("TRACKIO_PROJECT", "flashdraft"), config=config)
-
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        self.trackio.log(scalars, step=step)
-
-    def close(self) -> None:
-        self.trackio.finish()
-
-
-_TRACKER_CLASSES = {
-    "wandb": (_Wandb, "wandb"),
-    "tensorboard": (_TensorBoard, "tensorboard"),
-    "trackio": (_Trackio, "trackio"),
-}
-
-
-def _open_tracker(name: str, out: Path, config: dict, resume_from_step: int | None) -> _Tracker | None:
-    cls, _ = _TRACKER_CLASSES[name]
-    try:
-        return cls(out, config, resume_from_step)
-    except Exception as exc:
-        logger.warning(
-            "tracker %r did not start (%s: %s); training continues without it", name, type(exc).__name__, exc
-        )
-        return None
-
-
-# ---- plot -------------------------------------------------------------------------------------------------------
-
-
-def trend_reach(points: int) -> int:
-    """How many log windows on each side a curve's trend averages over: a twentieth of the run, at least 1; 0 (no
-    trend) below 10 points."""
-    return max(1, points // 20) if points >= 10 else 0
-
-
-def centered_mean(values: list[float], reach: int) -> list[float]:
-    """At each point, the mean of the values up to `reach` points before and after it (fewer at the ends): a trend
-    that does not lag behind the curve as a trailing mean would."""
-    return [
-        sum(values[max(0, i - reach) : i + reach + 1]) / len(values[max(0, i - reach) : i + reach + 1])
-        for i in range(len(values))
-    ]
-
-
-def draw_training_curve(
-    metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike, final_tau: float | None = None
-) -> Path | None:
-    """`plot_training_curve`, or None and one warning line saying how to get the curve when matplotlib is missing
-    (the curve is an extra: the run itself succeeded)."""
-    try:
-        return plot_training_curve(metrics_jsonl, out_png, final_tau)
-    except ImportError:
-        logger.warning("training curve not drawn: matplotlib is not installed (%s to get it; every value is in %s)",
-                       PLOT_EXTRA, metrics_jsonl)  # fmt: skip
-        return None
-
-
-def plot_training_curve(
-    metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike, final_tau: float | None = None
-) -> Path:
-    """Loss (left axis) and simulated tau (right axis) against step, with the measured tau of the periodic
-    evaluations and `final_tau` (the end-of-run measurement) at the last step; returns the PNG.
-
-    Each logged value is a mean over one log window, and windows differ in what they read (an easy stretch of data,
-    a hard one): with 10 or more of them, the values are drawn faint and a trend over them bold (`centered_mean`
-    over 2 x `trend_reach` + 1 windows), and the title says where the trend starts and ends.
-    """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        raise ImportError(f"plot_training_curve needs matplotlib: {PLOT_EXTRA}") from None
-    records = read_metrics(metrics_jsonl)
-
-    def series(key):
-        points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
-        return [s for s, _ in points], [v for _, v in points]
-
-    loss_steps, loss = series("loss")
-    tau_steps, tau = series("sim_tau")
-    real_steps, real = series("tau")
-    if final_tau is not None and math.isfinite(final_tau) and (loss_steps or tau_steps):
-        real_steps, real = real_steps + [max(loss_steps[-1:] + tau_steps[-1:])], real + [final_tau]
-    if not loss and not tau:
-        raise ValueError(f"{metrics_jsonl}: no logged step has a loss or sim_tau to plot")
-    # The Agg canvas directly, not pyplot: no global backend switch, no GUI, safe in threads.
-    fig = Figure(figsize=(8, 4.5), dpi=120, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    tau_ax = ax.twinx()
-    marker = "o" if max(len(loss), len(tau)) <= 40 else None
-    reach = trend_reach(max(len(loss), len(tau)))
-    lines, summary = [], []
-    curves = ((ax, loss_steps, loss, "tab:blue", "loss", 3), (tau_ax, tau_steps, tau, "tab:orange", "simulated tau", 2))
-    for axis, steps, values, color, name, digits in curves:
-        if not values:
-            continue
-        if not reach:
-            lines += axis.plot(steps, values, color=color, marker=marker, markersize=4, label=name)
-            summary.append(f"{name} {values[-1]:.{digits}f}")
-            continue
-        axis.plot(steps, values, color=color, alpha=0.35, linewidth=1, marker=marker, markersize=2.5)
-        smooth = centered_mean(values, reach)
-        lines += axis.plot(steps, smooth, color=color, linewidth=2.2, label=name)
-        summary.append(f"{name} {smooth[0]:.{digits}f} → {smooth[-1]:.{digits}f}")
-    ax.set_xlabel("step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if len(set(loss_steps + tau_steps)) == 1:
-        # One point: matplotlib would pad the axis to fractional steps around it.
-        ax.set_xticks(loss_steps[:1] or tau_steps[:1])
-    ax.set_ylabel("loss", color="tab:blue")
-    ax.tick_params(axis="y", labelcolor="tab:blue")
-    ax.grid(alpha=0.3)
-    if real:
-        lines += tau_ax.plot(real_steps, real, color="tab:red", marker="s", markersize=5, linestyle="--",
-                             label="measured tau (decoding)")  # fmt: skip
-    tau_ax.set_ylabel("acceptance length (tau)", color="tab:orange")
-    tau_ax.tick_params(axis="y", labelcolor="tab:orange")
-    # Below the axes: inside, it would cover one of the two curves.
-    fig.legend(lines, [line.get_label() for line in lines], loc="outside lower center", ncols=len(lines))
-    if reach:
-        ax.text(0.01, 0.01, f"faint: each log window; bold: mean of {2 * reach + 1} windows", transform=ax.transAxes,
-                fontsize=7, color="dimgray")  # fmt: skip
-    if final_tau is not None and math.isfinite(final_tau):
-        summary.append(f"measured tau {final_tau:.2f}")
-    last = max(loss_steps[-1:] + tau_steps[-1:])
-    ax.set_title(f"Drafter training, {last} steps: {', '.join(summary)}", fontsize=10)
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_png.with_name(f".{out_png.name}.tmp")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, out_png)
-    return out_png

@@ -13,17 +13,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from flashdraft.train.metrics import (
-    MetricsLogger,
-    centered_mean,
-    draw_training_curve,
-    format_line,
-    is_secret_key,
-    plot_training_curve,
-    read_metrics,
-    redact,
-    trend_reach,
-)
+from flashdraft.io.redact import is_secret_key, redact
+from flashdraft.train.metrics import MetricsLogger, format_line, read_metrics
+from flashdraft.train.plot import centered_mean, draw_training_curve, plot_training_curve, trend_reach
 
 LOGGER = "flashdraft.train.metrics"
 
@@ -269,11 +261,12 @@ def test_redact_nested_config_without_touching_the_original():
     safe = redact(config)
     assert safe["train"] == {"lr": 6e-4, "max_tokens": 4096}
     assert safe["drafter"] == {"mask_token_id": 248070}
-    assert safe["data"]["train"] == ["s3://AKIAEXAMPLE:<redacted>@bucket/data.jsonl", "local.jsonl"]
+    assert safe["data"]["train"] == ["s3://***@bucket/data.jsonl", "local.jsonl"]
     assert safe["hub"] == {"hf_token": "<redacted>", "wandb_api_key": "<redacted>", "unused_token": None}
     assert safe["runs"] == [{"aws_secret_access_key": "<redacted>"}]
     assert config["hub"]["hf_token"] == "hf_abcdef"
     assert "hf_abcdef" not in json.dumps(safe) and "wJalrXUt" not in json.dumps(safe)
+    assert "AKIAEXAMPLE" not in json.dumps(safe)
 
 
 # ---- plot -------------------------------------------------------------------------------------------------------

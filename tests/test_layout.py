@@ -1,0 +1,144 @@
+"""Layout rules a newcomer relies on: short modules, no import cycles, nothing below the CLI imports it, no work log."""
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "flashdraft"
+MAX_LINES = 400
+WORK_LOG = re.compile(r"session [0-9]|session-[0-9]|this session", re.IGNORECASE)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """Module -> flashdraft modules it imports anywhere (function bodies too); `from X import Y` counts X.Y when
+    Y is a submodule, else X; a name that is no module counts as its nearest enclosing module."""
+    graph = {}
+    for name, tree in modules.items():
+        package = name if name in modules and _is_package(name, modules) else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def _is_package(name: str, modules: dict) -> bool:
+    return any(other.startswith(name + ".") for other in modules)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def package_modules() -> dict[str, ast.Module]:
+    return {module_name(p): ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_find_cycle_finds_a_cycle_and_only_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_import_graph_counts_function_level_and_submodule_imports():
+    modules = {
+        "p": ast.parse(""),
+        "p.a": ast.parse("def f():\n    from p import b\n"),
+        "p.b": ast.parse("import os\nfrom p.a import f\n"),
+    }
+    graph = import_graph(modules)
+    assert graph["p.a"] == {"p.b"} and "p.a" in graph["p.b"]
+    assert find_cycle(graph) is not None
+
+
+@pytest.mark.xfail(strict=False, reason="train/loop.py, train/checkpoint.py, speculative/evaluate.py, "
+                   "drafter/model.py, data/prepare.py, data/formats.py, data/features.py, data/sources.py and the "
+                   "engine's target_runner.py are still being split")  # fmt: skip
+def test_no_module_outside_the_kernels_is_over_400_lines():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in PACKAGE.rglob("*.py")
+        if "kernels" not in p.relative_to(PACKAGE).parts and (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}
+
+
+@pytest.mark.xfail(strict=False, reason="function-level imports between train/, data/features.py and the CLI and "
+                   "between the speculative engine and generate are still being untangled")  # fmt: skip
+def test_no_import_cycle_among_flashdraft_modules():
+    assert find_cycle(import_graph(package_modules())) is None
+
+
+@pytest.mark.xfail(
+    strict=False, reason="data/features.py still imports cli.train (its command moves to cli/features.py)"
+)
+def test_nothing_outside_the_cli_imports_it():
+    graph = import_graph(package_modules())
+    offenders = {
+        name: sorted(t for t in targets if t == "flashdraft.cli" or t.startswith("flashdraft.cli."))
+        for name, targets in graph.items()
+        if not (name == "flashdraft.cli" or name.startswith("flashdraft.cli.") or name == "flashdraft.__main__")
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_work_log_pattern_matches_what_it_must():
+    assert WORK_LOG.search("measured in Session 12") and WORK_LOG.search("see THIS SESSION")
+    assert not WORK_LOG.search("engine/session.py holds the Session class")
+
+
+@pytest.mark.xfail(strict=False, reason="bench/ notes and results still speak of rounds of work")
+def test_no_tracked_file_speaks_of_work_sessions():
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    hits = []
+    for name in filter(None, files):
+        path = ROOT / name.decode()
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:
+            continue  # binary
+        hits += [f"{name.decode()}:{i}" for i, line in enumerate(data.decode(errors="replace").splitlines(), 1)
+                 if WORK_LOG.search(line)]  # fmt: skip
+    assert hits == []
