@@ -37,9 +37,13 @@ def one_thread():
 def exact_delta_rule(
     query, key, value, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, **_
 ):
-    """Gated delta rule, token by token, in the dtype of `value`; `[B, T, H, K]` inputs as transformers passes."""
-    if key.shape[2] != value.shape[2]:  # grouped values: each q/k head serves consecutive value heads
-        query, key = (x.repeat_interleave(value.shape[2] // key.shape[2], dim=2) for x in (query, key))
+    """Gated delta rule, token by token, in the dtype of `value`; `[B, T, H, K]` inputs as transformers passes.
+
+    From transformers 5.23 the layer passes fewer query/key heads than value heads (each serves consecutive value
+    heads, as in fla); before, it repeated them itself.
+    """
+    groups = value.shape[2] // key.shape[2]
+    query, key = (x.repeat_interleave(groups, dim=2) for x in (query, key))
     q, k, v, b, g = (x.transpose(1, 2) for x in (query, key, value, beta, g))
     if use_qk_l2norm_in_kernel:
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
