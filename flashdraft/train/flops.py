@@ -10,8 +10,9 @@ count, all three; a GPU that matches no row (a newer model, a MIG slice with few
 then reported as unknown rather than against another GPU's rate. `train.peak_tflops` gives the figure by hand.
 
 Which figure each row holds:
-- The vendor's datasheet rate of dense BF16 Tensor Core math (FP32 accumulate; datasheets print the 2:4-sparsity
-  rate, twice this). This is the usual MFU denominator, and it is the one used for every GPU but the H200.
+- The vendor's datasheet rate of dense BF16 Tensor Core math (FP32 accumulate; half the 2:4-sparsity rate where
+  that is the figure printed, as the row's source says). This is the usual MFU denominator, and it is the one used
+  for every GPU but the H200.
 - The H200 (SXM): 790 TFLOP/s, the rate a large bf16 matmul measured on this project's H200 (80% of the
   datasheet's 989.5). Every H200 MFU in bench/RESULTS.md and bench/NOTES-train-speed.md, and the training-speed
   goals stated there, are against 790; keeping it keeps them comparable. On the other GPUs MFU is against an upper

@@ -21,9 +21,9 @@ PLOT_EXTRA = "pip install 'flashdraft[plot]'"
 
 
 def trend_reach(points: int) -> int:
-    """How many log windows on each side a curve's trend averages over: a twentieth of the run, at least 1; 0 (no
-    trend) below 10 points."""
-    return max(1, points // 20) if points >= 10 else 0
+    """How many log windows on each side a curve's trend averages over: a twentieth of the run, at least 2 (a short
+    run's windows differ the most); 0 (no trend) below 10 points."""
+    return max(2, points // 20) if points >= 10 else 0
 
 
 def centered_mean(values: list[float], reach: int) -> list[float]:

@@ -309,7 +309,7 @@ def test_the_curves_trend_is_a_centered_mean_of_the_log_windows():
         near = [values[max(0, i - reach) : min(len(values), i + reach + 1)] for i in range(len(values))]
         want = [torch.tensor(v, dtype=torch.float64).mean().item() for v in near]
         assert centered_mean(values, reach) == pytest.approx(want, rel=1e-12)
-    assert [trend_reach(n) for n in (1, 9, 10, 19, 40, 100)] == [0, 0, 1, 1, 2, 5]
+    assert [trend_reach(n) for n in (1, 9, 10, 19, 40, 60, 100)] == [0, 0, 2, 2, 2, 3, 5]
 
 
 def test_plot_of_an_empty_log_says_so(tmp_path):
