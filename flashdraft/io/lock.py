@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from flashdraft.io import OutputError
+from flashdraft.io.space import room_for
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +125,6 @@ class OutputLock:
         return self.path.parent
 
     def acquire(self) -> None:
-        from flashdraft.io.space import room_for
-
         me = Holder(os.getpid(), socket.gethostname(), self.command, time.time(), secrets.token_hex(8),
                     _proc_start(os.getpid()))  # fmt: skip
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -628,7 +628,9 @@ def _weights(path: Path, blobs: dict[str, bytes]) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{path / name}: not a readable safetensors file ({exc})") from None
     if not weights:
         raise CheckpointError(f"{path / MANIFEST}: lists no drafter/*.safetensors weights")
-    return weights
+    # safetensors' load(bytes) returns the tensors in a random order per process; under torchrun every rank must
+    # hand set_state_dict the same order (its collectives follow it).
+    return dict(sorted(weights.items()))
 
 
 def _estimate_bytes(drafter: nn.Module, optimizer: torch.optim.Optimizer, weights_twice: bool = False) -> int:
