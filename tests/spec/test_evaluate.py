@@ -121,8 +121,9 @@ def _decode_directly(models, prompts_path, max_new_tokens, block_size):
 
 
 def _assert_plot_drawn(path, report):
-    """The PNG decodes to the figure's 11 x 4 inches at 120 dpi, with the histogram's bars (tab:blue) drawn in the
-    left panel, covering more area for more rounds, and the acceptance curve (tab:orange) in the right one."""
+    """The PNG decodes to the figure's 11 x 4 inches at 120 dpi, with the histogram's bars (tab:blue) in the left
+    panel, one per acceptance length that occurred and as tall as its count, and the acceptance curve (tab:orange)
+    in the right one."""
     from matplotlib import image
 
     pixels = image.imread(path)[..., :3]
@@ -132,7 +133,7 @@ def _assert_plot_drawn(path, report):
     half = pixels.shape[1] // 2
     assert blue[:, :half].sum() > 2000 and not blue[:, half:].any()
     assert orange[:, half:].sum() > 30 and not orange[:, :half].any()
-    # One bar per acceptance length that occurred, left to right, as tall as its count (relative to the tallest).
+    # Bars left to right: their heights relative to the tallest are the counts relative to the largest.
     columns = blue[:, :half].any(0).int().tolist()
     edges = [i for i in range(1, half) if columns[i] != columns[i - 1]]
     runs = list(zip(edges[::2], edges[1::2], strict=True))
