@@ -75,6 +75,7 @@ def test_greedy_with_high_acceptance_covers_every_acceptance_length(setup, block
                 result = generate(target, drafter, prompt, max_new)
             assert result.tokens == expected, f"prompt {i}"
             assert verification_error(target, forwards, script) < 1e-9  # each verification exact, not just argmax
+            assert result.num_target_forwards == len(forwards)
             _check_stats(result, block_size)
             accepted_drafts.update(a - 1 for a in result.acceptance_lengths[:-1])
     assert {0, block_size - 1} <= accepted_drafts
@@ -98,6 +99,7 @@ def test_moe_hybrids_greedy_equals_target_greedy(family):
                 assert result.tokens == expected, f"prompt {i}, block size {block_size}"
                 # Every verification's logits are those of a forward without cache: the rollback is exact.
                 assert verification_error(target, forwards, prompt[0].tolist() + expected) < 1e-9
+                assert result.num_target_forwards == len(forwards)  # the statistic counts the forwards that ran
                 _check_stats(result, block_size)
                 accepted_drafts[block_size].update(a - 1 for a in result.acceptance_lengths[:-1])
     for block_size, seen in accepted_drafts.items():  # rejections, full blocks and partial acceptances all happened

@@ -153,10 +153,12 @@ def test_periodic_tau_with_a_sharded_drafter_neither_hangs_nor_changes_the_losse
     """Every rank gathers the FSDP2 drafter, rank 0 decodes while the others wait in the next step's collective."""
     out = tmp_path / "run"
     run = torchrun(["train", "--out", str(out), *RUN, "data.eval_prompts=bundled", "data.eval_limit=1",
-                    "data.eval_max_new_tokens=4", "log.eval_every=2"], timeout=240)  # fmt: skip
+                    "data.eval_max_new_tokens=24", "log.eval_every=2"], timeout=240)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "tau" in r] == [2] and rows[1]["tau"] >= 1
+    # The gathered drafter is the fine-tuned shipped one, whose drafts are accepted (tau 1.77 on this prompt before
+    # fine-tuning); a shard, or weights not gathered, would accept nothing (tau 1).
+    assert [r["step"] for r in rows if "tau" in r] == [2] and rows[1]["tau"] > 1.3
     one = _losses(one_proc)
     assert _losses(out) == pytest.approx(one, rel=RTOL)
 
