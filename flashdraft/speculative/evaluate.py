@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 
 from flashdraft.speculative.baselines import autoregressive_generate, prompt_lookup_generate
-from flashdraft.speculative.generate import GenerationResult, generate, use_engine
+from flashdraft.speculative.engine.session import prepare
+from flashdraft.speculative.generate import generate, use_engine
+from flashdraft.speculative.result import GenerationResult
 
 METHODS = ("dflash", "autoregressive", "prompt_lookup")
 
@@ -199,8 +201,6 @@ def evaluate(
 
     if engine:
         # Caches sized for the longest prompt and graphs captured once, outside the timed runs.
-        from flashdraft.speculative.engine.session import prepare
-
         prepare(target, max(p.input_ids.shape[-1] for p in prompts) + max_new_tokens, block_size, drafter)
     # Warm-up (allocator, lazy imports, autotuned kernels) so that the first timed prompt is not penalised. A few
     # blocks' worth of tokens also reaches some of the wider verifications that deferred tokens make.
