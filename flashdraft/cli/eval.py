@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from flashdraft.cli.exit_codes import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_OK
-from flashdraft.speculative.evaluate import _require_matplotlib, evaluate, load_prompts, print_report, write_plot
+from flashdraft.speculative.evaluate import evaluate, print_report, require_matplotlib, write_plot
+from flashdraft.speculative.prompts import load_prompts
 
 
 def add_parser(subparsers) -> None:
@@ -123,7 +124,7 @@ def run(args) -> int:
     if not Path(args.prompts).is_file():  # before loading the models, which can take minutes
         raise FileNotFoundError(f"prompts file {args.prompts} does not exist")
     if args.plot:
-        _require_matplotlib()  # fail before the long part
+        require_matplotlib()  # fail before the long part
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from flashdraft import fastpath

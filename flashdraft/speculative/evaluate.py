@@ -28,75 +28,10 @@ import torch
 from flashdraft.speculative.baselines import autoregressive_generate, prompt_lookup_generate
 from flashdraft.speculative.engine.session import prepare
 from flashdraft.speculative.generate import generate, use_engine
+from flashdraft.speculative.prompts import Prompt
 from flashdraft.speculative.result import GenerationResult
 
 METHODS = ("dflash", "autoregressive", "prompt_lookup")
-
-
-@dataclass
-class Prompt:
-    input_ids: torch.Tensor
-    category: str
-    line: int
-
-
-def load_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[Prompt]:
-    """Read and tokenize a prompts JSONL file, through the checks training data gets (flashdraft.data.sources and
-    formats.check_messages: UTF-8, JSON objects, known roles, text contents); a bad line raises DataError
-    naming `path:line` and the field."""
-    from flashdraft.data.errors import DataError
-    from flashdraft.data.sources import iter_records, resolve_sources
-
-    if "://" not in str(path) and not Path(path).is_file():
-        raise FileNotFoundError(f"prompts file {path} does not exist")
-    prompts: list[Prompt] = []
-    try:
-        for record in iter_records(resolve_sources([str(path)])):
-            if limit is not None and len(prompts) >= limit:
-                break
-            try:
-                prompt = Prompt(_tokenize(record.data, tokenizer), _category(record.data), record.line or 0)
-            except DataError as err:
-                raise err.at(record.source, line=record.line, row=record.row) from None
-            prompts.append(prompt)
-    except DataError as err:
-        if err.reason != "empty_file":
-            raise
-    if not prompts:
-        raise DataError("no prompts (expected JSON lines with 'messages' or 'prompt')", reason="empty_file",
-                        source=str(path), skippable=False)  # fmt: skip
-    return prompts
-
-
-def _category(record: dict) -> str:
-    from flashdraft.data.errors import DataError
-
-    category = record.get("category", "all")
-    if not isinstance(category, str) or not category:
-        raise DataError(f"'category' must be a non-empty string, got {category!r}")
-    return category
-
-
-def _tokenize(record: dict, tokenizer) -> torch.Tensor:
-    from flashdraft.data.errors import DataError
-    from flashdraft.data.formats import check_messages
-
-    if "messages" in record:
-        messages = check_messages(record["messages"], "messages")
-        if not getattr(tokenizer, "chat_template", None):
-            raise DataError("'messages' needs a chat template, and the target's tokenizer has none")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    elif "prompt" in record:
-        if not isinstance(record["prompt"], str):
-            raise DataError(f"'prompt' must be a string, got {type(record['prompt']).__name__}")
-        ids = tokenizer(record["prompt"])["input_ids"]
-    else:
-        raise DataError(f"expected a 'messages' or a 'prompt' field, got keys {sorted(record)}",
-                        reason="missing_field")  # fmt: skip
-    if not ids:
-        raise DataError("the prompt tokenizes to nothing", reason="empty_sample")
-    return torch.tensor([ids], dtype=torch.long)
 
 
 @dataclass
@@ -324,7 +259,7 @@ def print_report(report: dict, console=None) -> None:
         )
 
 
-def _require_matplotlib():
+def require_matplotlib():
     """pyplot, or a ValueError (exit 2, before the models load) saying how to get it: --plot is a request, and a run
     that quietly left out the file asked for would surface only where something reads it."""
     try:
@@ -339,7 +274,7 @@ def _require_matplotlib():
 
 def write_plot(report: dict, path: str | Path) -> None:
     """A PNG with the acceptance-length histogram and the per-position acceptance rate."""
-    plt = _require_matplotlib()
+    plt = require_matplotlib()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     hist = report["acceptance_length_histogram"]
     left.bar([int(k) for k in hist], list(hist.values()), color="tab:blue")

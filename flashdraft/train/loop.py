@@ -540,8 +540,8 @@ def measure_tau(cfg: RunConfig, s: Setup, json_out: Path | None = None, drafter=
     if prompts_path is None:
         return None
     from flashdraft import fastpath
-    from flashdraft.speculative.evaluate import load_prompts
     from flashdraft.speculative.generate import generate, use_engine
+    from flashdraft.speculative.prompts import load_prompts
 
     if s.full_target is None:
         if cfg.target.path == bundled.BUNDLED:
