@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.cli.exit_codes import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_OK
-from flashdraft.speculative.evaluate import _require_matplotlib, evaluate, print_report, write_plot
+from flashdraft.speculative.evaluate import evaluate, print_report, require_matplotlib, write_plot
 from flashdraft.speculative.prompts import load_prompts
 
 
@@ -124,13 +124,13 @@ def run(args) -> int:
     if not Path(args.prompts).is_file():  # before loading the models, which can take minutes
         raise FileNotFoundError(f"prompts file {args.prompts} does not exist")
     if args.plot:
-        _require_matplotlib()  # fail before the long part
+        require_matplotlib()  # fail before the long part
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from flashdraft import fastpath
     from flashdraft.drafter import DFlashDraftModel
     from flashdraft.fastpath.patch import linear_attention_layers
-    from flashdraft.hub import NO_HUB_KERNELS, check_checkpoint, resolve_model_dir
+    from flashdraft.hub import check_checkpoint, resolve_model_dir
 
     device, dtype = _device_and_dtype(args.device, args.dtype)
     if args.target == bundled.BUNDLED:
@@ -142,7 +142,7 @@ def run(args) -> int:
         check_checkpoint(directory)
         tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
         target = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=False, dtype=dtype,
-                                                      use_safetensors=True, **NO_HUB_KERNELS)  # fmt: skip
+                                                      use_safetensors=True)  # fmt: skip
         target = target.to(device).eval()
     prompts = load_prompts(args.prompts, tokenizer, args.limit)
     if linear_attention_layers(target):

@@ -6,7 +6,8 @@ print(result.tau, result.tokens_per_second)
 """
 
 from flashdraft.speculative.baselines import PromptLookupProposer, autoregressive_generate, prompt_lookup_generate
-from flashdraft.speculative.generate import DFlashProposer, GenerationResult, generate, speculative_decode
+from flashdraft.speculative.generate import DFlashProposer, generate, speculative_decode
+from flashdraft.speculative.result import GenerationResult
 from flashdraft.speculative.sampling import rejection_sample, sampling_probs
 
 __all__ = [

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from flashdraft.speculative.generate import GenerationResult, speculative_decode, use_engine
+from flashdraft.speculative.engine.session import engine_decode
+from flashdraft.speculative.generate import speculative_decode, use_engine
+from flashdraft.speculative.result import GenerationResult
 
 
 class PromptLookupProposer:
@@ -58,8 +60,6 @@ def autoregressive_generate(
     engine: as in `generate` (by default the engine's captured decode step on a CUDA target it supports).
     """
     if use_engine(target, engine):
-        from flashdraft.speculative.engine.session import engine_decode
-
         return engine_decode(target, input_ids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                              stop_token_ids=stop_token_ids, generator=generator)  # fmt: skip
     return speculative_decode(
@@ -99,8 +99,6 @@ def prompt_lookup_generate(
     if num_draft < 0:
         raise ValueError(f"num_draft must be >= 0, got {num_draft}")
     if use_engine(target, engine):
-        from flashdraft.speculative.engine.session import engine_decode
-
         return engine_decode(target, input_ids, max_new_tokens, lookup=PromptLookupProposer(ngram_max),
                              block_size=num_draft + 1, temperature=temperature, top_p=top_p, top_k=top_k,
                              stop_token_ids=stop_token_ids, generator=generator)  # fmt: skip

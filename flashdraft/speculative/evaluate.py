@@ -26,8 +26,10 @@ from pathlib import Path
 import torch
 
 from flashdraft.speculative.baselines import autoregressive_generate, prompt_lookup_generate
-from flashdraft.speculative.generate import GenerationResult, generate, use_engine
+from flashdraft.speculative.engine.session import prepare
+from flashdraft.speculative.generate import generate, use_engine
 from flashdraft.speculative.prompts import Prompt
+from flashdraft.speculative.result import GenerationResult
 
 METHODS = ("dflash", "autoregressive", "prompt_lookup")
 
@@ -134,8 +136,6 @@ def evaluate(
 
     if engine:
         # Caches sized for the longest prompt and graphs captured once, outside the timed runs.
-        from flashdraft.speculative.engine.session import prepare
-
         prepare(target, max(p.input_ids.shape[-1] for p in prompts) + max_new_tokens, block_size, drafter)
     # Warm-up (allocator, lazy imports, autotuned kernels) so that the first timed prompt is not penalised. A few
     # blocks' worth of tokens also reaches some of the wider verifications that deferred tokens make.
@@ -259,7 +259,7 @@ def print_report(report: dict, console=None) -> None:
         )
 
 
-def _require_matplotlib():
+def require_matplotlib():
     """pyplot, or a ValueError (exit 2, before the models load) saying how to get it: --plot is a request, and a run
     that quietly left out the file asked for would surface only where something reads it."""
     try:
@@ -274,7 +274,7 @@ def _require_matplotlib():
 
 def write_plot(report: dict, path: str | Path) -> None:
     """A PNG with the acceptance-length histogram and the per-position acceptance rate."""
-    plt = _require_matplotlib()
+    plt = require_matplotlib()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     hist = report["acceptance_length_histogram"]
     left.bar([int(k) for k in hist], list(hist.values()), color="tab:blue")

@@ -29,7 +29,6 @@ prompt lookup proposes n-gram continuations.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -38,55 +37,10 @@ from transformers import DynamicCache
 from flashdraft import fastpath
 from flashdraft.drafter import select_context_features
 from flashdraft.speculative import rollback
+from flashdraft.speculative.engine import session as engine_session
+from flashdraft.speculative.result import GenerationResult
 from flashdraft.speculative.sampling import next_token, rejection_sample, sample, sampling_probs, validate_sampling
 from flashdraft.versions import cache_kwargs
-
-
-@dataclass
-class GenerationResult:
-    """New tokens and the statistics of one decoding run."""
-
-    tokens: list[int]
-    # Per verification round: tokens emitted (accepted drafts + the target's own token; cut at a stop token).
-    acceptance_lengths: list[int] = field(default_factory=list)
-    # position_accepted[i]: rounds in which draft i + 1 of the block was accepted; position_offered[i]: rounds
-    # in which it was drafted and verified (the last rounds may offer fewer than bs - 1 drafts).
-    position_accepted: list[int] = field(default_factory=list)
-    position_offered: list[int] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    # Target forwards: prefill + one per round + the rare commit of a long deferred run (see `max_deferred`).
-    num_target_forwards: int = 0
-    time_to_first_token: float = 0.0
-    total_time: float = 0.0
-    stopped: bool = False
-    # What decoded: "plain" (transformers forwards, this module), "engine" or "engine+graphs" (flashdraft.speculative.engine).
-    backend: str = "plain"
-
-    @property
-    def num_rounds(self) -> int:
-        return len(self.acceptance_lengths)
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens emitted per verification round (NaN when no round ran)."""
-        return sum(self.acceptance_lengths) / self.num_rounds if self.num_rounds else float("nan")
-
-    @property
-    def time_per_output_token(self) -> float:
-        """Decode time (after the first token) per further token; 0.0 with fewer than two tokens."""
-        if len(self.tokens) < 2:
-            return 0.0
-        return (self.total_time - self.time_to_first_token) / (len(self.tokens) - 1)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return len(self.tokens) / self.total_time if self.total_time > 0 else 0.0
-
-    @property
-    def position_acceptance_rate(self) -> list[float]:
-        return [
-            a / o if o else float("nan") for a, o in zip(self.position_accepted, self.position_offered, strict=True)
-        ]
 
 
 class Proposer(Protocol):
@@ -283,16 +237,14 @@ def speculative_decode(
 
 def use_engine(target: torch.nn.Module, engine: bool | None, drafter: torch.nn.Module | None = None) -> bool:
     """Whether to decode with `flashdraft.speculative.engine`: None (auto) = on a CUDA target the engine supports (its
-    CUDA-graph path passed the whole GPU suite and bench/spec_engine.py's goals on the H200, 2026-12-03); True =
+    CUDA-graph path passed the whole GPU suite and bench/spec_engine.py's goals on the H200); True =
     always (a ValueError says why it cannot); False = never (this module's plain loop).
 
     The engine computes in the models' own dtypes (static caches, no autocast), so a `drafter` whose dtype is not
     the target's (float32 master weights beside a bf16 target, during training) takes the plain loop."""
     if engine is False or (engine is None and next(target.parameters()).device.type != "cuda"):
         return False
-    from flashdraft.speculative.engine.session import engine_available
-
-    reason = engine_available(target)
+    reason = engine_session.engine_available(target)
     if reason is None and drafter is not None:
         target_dtype, drafter_dtype = next(target.parameters()).dtype, next(drafter.parameters()).dtype
         if drafter_dtype != target_dtype:
@@ -333,10 +285,10 @@ def generate(
     common = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
                   generator=generator)  # fmt: skip
     if use_engine(target, engine, drafter if block_size > 1 else None):
-        from flashdraft.speculative.engine.session import engine_decode
-
         drafter = drafter if block_size > 1 else None
-        return engine_decode(target, input_ids, max_new_tokens, drafter=drafter, block_size=block_size, **common)
+        return engine_session.engine_decode(
+            target, input_ids, max_new_tokens, drafter=drafter, block_size=block_size, **common
+        )
     proposer = DFlashProposer(drafter, target, block_size, temperature, top_p, top_k, generator)
     return speculative_decode(
         target,

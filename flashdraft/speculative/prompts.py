@@ -1,9 +1,10 @@
-"""Held-out prompts for decoding: a JSON-lines file read through the checks training data gets.
+"""Prompts to decode: a JSON-lines file read through the checks training data gets, tokenized for the target.
 
-    prompts = load_prompts("eval.jsonl", tokenizer, limit=8)     # [Prompt(input_ids (1, T), category, line)]
+    prompts = load_prompts("prompts.jsonl", tokenizer, limit=64)
 
-Each line is `{"messages": [...]}` (rendered with the tokenizer's chat template, generation prompt added) or
-`{"prompt": "raw text"}`, with an optional `"category"`. `flashdraft eval` and the measured τ of training read them.
+Each line is `{"messages": [{"role": ..., "content": ...}, ...]}` (rendered with the tokenizer's chat template,
+generation prompt added) or `{"prompt": "raw text"}`, with an optional `"category"`. `flashdraft eval` and the
+measured τ of training read their prompts here.
 """
 
 from __future__ import annotations
@@ -45,13 +46,16 @@ def load_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[
         if err.reason != "empty_file":
             raise
     if not prompts:
-        raise DataError("no prompts (expected JSON lines with 'messages' or 'prompt')", reason="empty_file",
-                        source=str(path), skippable=False)  # fmt: skip
+        raise DataError(
+            "no prompts (expected JSON lines with 'messages' or 'prompt')",
+            reason="empty_file",
+            source=str(path),
+            skippable=False,
+        )
     return prompts
 
 
 def _category(record: dict) -> str:
-
     category = record.get("category", "all")
     if not isinstance(category, str) or not category:
         raise DataError(f"'category' must be a non-empty string, got {category!r}")
@@ -59,7 +63,6 @@ def _category(record: dict) -> str:
 
 
 def _tokenize(record: dict, tokenizer) -> torch.Tensor:
-
     if "messages" in record:
         messages = check_messages(record["messages"], "messages")
         if not getattr(tokenizer, "chat_template", None):
@@ -71,8 +74,7 @@ def _tokenize(record: dict, tokenizer) -> torch.Tensor:
             raise DataError(f"'prompt' must be a string, got {type(record['prompt']).__name__}")
         ids = tokenizer(record["prompt"])["input_ids"]
     else:
-        raise DataError(f"expected a 'messages' or a 'prompt' field, got keys {sorted(record)}",
-                        reason="missing_field")  # fmt: skip
+        raise DataError(f"expected a 'messages' or a 'prompt' field, got keys {sorted(record)}", reason="missing_field")
     if not ids:
         raise DataError("the prompt tokenizes to nothing", reason="empty_sample")
     return torch.tensor([ids], dtype=torch.long)

@@ -9,7 +9,7 @@ import torch
 
 from flashdraft.cli import eval as eval_cli
 from tests.speculative import one_thread, random_drafter, tiny_target  # noqa: F401 (one_thread: autouse fixture)
-from tests.speculative.test_evaluate import WORDS, _tokenizer, _write
+from tests.speculative.test_prompts import WORDS, _tokenizer, _write
 
 # tau of the shipped drafter on the first held-out prompt, 24 new tokens, is 1.77 (float32, CPU); a drafter whose
 # drafts are never accepted has tau 1.

@@ -25,7 +25,7 @@ import torch
 from flashdraft import fastpath
 from flashdraft.speculative.engine.drafter_runner import DrafterRunner
 from flashdraft.speculative.engine.target_runner import TargetEngine, unsupported_reason
-from flashdraft.speculative.generate import GenerationResult
+from flashdraft.speculative.result import GenerationResult
 from flashdraft.speculative.sampling import (
     next_token,
     rejection_sample_tensors,

@@ -5,8 +5,7 @@ import weakref
 
 import torch
 
-from flashdraft.speculative.engine import graphs
-from flashdraft.speculative.engine import session as loop
+from flashdraft.speculative.engine import graphs, session
 
 from .. import one_thread, tiny_target  # noqa: F401 (autouse fixture)
 
@@ -29,11 +28,11 @@ def test_a_capture_collects_dead_cycles_first_and_none_during_it():
 
 def test_dropping_a_session_releases_its_graphs_at_once():
     target = tiny_target("qwen3", dtype=torch.float32)
-    sess = loop.session(target, 64, 4, None, graphs=False)
+    sess = session.session(target, 64, 4, None, graphs=False)
     marker = object()
     for step in sess.engine.steps.values():
         step.graph = marker  # stands in for a captured graph
-    loop.session(target, 64, 8, None, graphs=False)  # another block size: a new session replaces it
-    assert loop.current_session(target) is not sess
+    session.session(target, 64, 8, None, graphs=False)  # another block size: a new session replaces it
+    assert session.current_session(target) is not sess
     assert all(step.graph is None for step in sess.engine.steps.values())
-    loop.drop_session(target)
+    session.drop_session(target)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flashdraft.speculative import autoregressive_generate, generate, prompt_lookup_generate
-from flashdraft.speculative.engine import session as loop
+from flashdraft.speculative.engine import session
 from flashdraft.speculative.engine.drafter_runner import DrafterRunner
 
 from .. import one_thread, random_drafter, ready, reference_greedy, tiny_target  # noqa: F401 (autouse fixture)
@@ -99,7 +99,9 @@ def test_every_acceptance_length_and_stops(setup, block_size, error_rate):
     seen = set()
     with ready(target):
         for i, (prompt, max_new, expected) in enumerate(cases[:5]):
-            sess = loop.session(target, prompt.shape[1] + max_new, block_size, list(drafter.target_layer_ids), graphs)
+            sess = session.session(
+                target, prompt.shape[1] + max_new, block_size, list(drafter.target_layer_ids), graphs
+            )
             sess.runners[id(drafter)] = ScriptedRunner(drafter, sess.engine, prompt[0].tolist() + expected,
                                                        error_rate, seed=i)  # fmt: skip
             result = generate(target, drafter, prompt, max_new, block_size=block_size, engine=True)
@@ -113,7 +115,7 @@ def test_every_acceptance_length_and_stops(setup, block_size, error_rate):
             result = generate(target, drafter, prompt, max_new, block_size=block_size, stop_token_ids=[stop],
                               engine=True)  # fmt: skip
             assert result.tokens == cut and result.stopped
-        loop.drop_session(target)  # and the scripted runners with it
+        session.drop_session(target)  # and the scripted runners with it
     assert {0, block_size - 1} <= seen
 
 
@@ -129,12 +131,13 @@ def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monke
     from flashdraft import bundled
     from flashdraft.drafter import DFlashDraftModel
 
-    plain_loop = importlib.import_module("flashdraft.speculative.generate")  # the module (the package exports a function)
+    # The module: the package exports the function `generate` under the same name.
+    plain_loop = importlib.import_module("flashdraft.speculative.generate")
     target = AutoModelForCausalLM.from_pretrained(bundled.target_dir(), dtype=torch.float64).eval()
     drafter = DFlashDraftModel.from_pretrained(bundled.drafter_dir(), dtype=torch.float64).eval()
     tokenizer = bundled.load_tokenizer()
     drafts = {"engine": [], "plain": []}
-    verify_round, propose = loop._verify_round, plain_loop.DFlashProposer.propose
+    verify_round, propose = session._verify_round, plain_loop.DFlashProposer.propose
 
     def engine_round(engine, runner, proposed, *args, **kwargs):
         drafts["engine"][-1].append(proposed.tolist())
@@ -145,7 +148,7 @@ def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monke
         drafts["plain"][-1].append(proposed.tolist())
         return proposed, probs
 
-    monkeypatch.setattr(loop, "_verify_round", engine_round)
+    monkeypatch.setattr(session, "_verify_round", engine_round)
     monkeypatch.setattr(plain_loop.DFlashProposer, "propose", plain_round)
     lines = bundled.eval_prompts().read_text().splitlines()[:4]
     accepted = rounds = 0
@@ -165,7 +168,7 @@ def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monke
             assert on.acceptance_lengths == off.acceptance_lengths, f"prompt {i}"
             accepted += sum(a - 1 for a in on.acceptance_lengths)
             rounds += on.num_rounds
-    loop.drop_session(target)
+    session.drop_session(target)
     print(f"\nshipped drafter: {accepted / rounds:.2f} drafts accepted per round ({rounds} rounds)")
     assert accepted / rounds > 1.5  # a drafter that is read wrongly (or a random one) accepts ~0
 
@@ -200,11 +203,11 @@ def test_speculative_sampling_equals_target_distribution(case, config):
 def test_sessions_are_reused_and_grown():
     target = tiny_target("qwen3", seed=0)
     with ready(target):
-        a = loop.session(target, 100, 4, None, graphs=False)
-        assert loop.session(target, 300, None, None, graphs=False) is a  # any block size, within max_len
-        b = loop.session(target, 600, 4, None, graphs=False)
+        a = session.session(target, 100, 4, None, graphs=False)
+        assert session.session(target, 300, None, None, graphs=False) is a  # any block size, within max_len
+        b = session.session(target, 600, 4, None, graphs=False)
         assert b is not a and b.engine.max_len >= 600 and b.engine.block_size == 4
-        assert loop.session(target, 10, 8, None, graphs=False).engine.max_len >= 600
+        assert session.session(target, 10, 8, None, graphs=False).engine.max_len >= 600
 
 
 def test_engine_flag():
@@ -227,11 +230,11 @@ def test_a_failed_capture_warns_and_runs_eagerly():
     prompt = torch.tensor([[1, 2, 3]])
     with ready(target):
         with pytest.warns(UserWarning, match="capture failed"):
-            sess = loop.prepare(target, 64, 4, drafter, graphs=True)
+            sess = session.prepare(target, 64, 4, drafter, graphs=True)
         assert "CUDA" in sess.capture_error and not sess.captured
-        result = loop.engine_decode(target, prompt, 8, drafter=drafter, block_size=4, graphs=True)
+        result = session.engine_decode(target, prompt, 8, drafter=drafter, block_size=4, graphs=True)
         assert result.backend == "engine" and result.tokens == reference_greedy(target, prompt, 8)
-    loop.drop_session(target)
+    session.drop_session(target)
 
 
 def test_engine_choice():

@@ -1,11 +1,11 @@
-"""The prompts of `flashdraft eval`: messages rendered with the chat template, bad lines named (the command end to end:
-tests/cli/test_eval.py)."""
+"""The prompts `flashdraft eval` and the measured τ decode: messages rendered with the chat template, bad lines named
+(the command end to end: tests/cli/test_eval.py)."""
 
 import json
 
 import pytest
 
-from flashdraft.speculative import evaluate
+from flashdraft.speculative.prompts import load_prompts
 
 from . import one_thread  # noqa: F401 (autouse fixture)
 
@@ -48,15 +48,15 @@ def _write(path, lines):
 def test_bad_prompt_lines_name_file_and_line(tmp_path, line, message):
     path = _write(tmp_path / "bad.jsonl", [json.dumps({"prompt": "the cat"}), line])
     with pytest.raises(ValueError, match=message) as info:
-        evaluate.load_prompts(path, _tokenizer())
+        load_prompts(path, _tokenizer())
     assert f"{path}:2:" in str(info.value)
 
 
 def test_chat_template_and_empty_file(tmp_path):
     tokenizer = _tokenizer()
     path = _write(tmp_path / "p.jsonl", [json.dumps({"messages": [{"role": "user", "content": "the cat"}]})])
-    (prompt,) = evaluate.load_prompts(path, tokenizer)
+    (prompt,) = load_prompts(path, tokenizer)
     assert tokenizer.decode(prompt.input_ids[0]) == "<user> the cat <end> <assistant>"
     assert prompt.category == "all" and prompt.line == 1
     with pytest.raises(ValueError, match="no prompts"):
-        evaluate.load_prompts(_write(tmp_path / "empty.jsonl", ["", "  "]), tokenizer)
+        load_prompts(_write(tmp_path / "empty.jsonl", ["", "  "]), tokenizer)

@@ -1,0 +1,52 @@
+"""What one decoding run returns, whichever loop decoded it (`generate`'s plain loop or the engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationResult:
+    """New tokens and the statistics of one decoding run."""
+
+    tokens: list[int]
+    # Per verification round: tokens emitted (accepted drafts + the target's own token; cut at a stop token).
+    acceptance_lengths: list[int] = field(default_factory=list)
+    # position_accepted[i]: rounds in which draft i + 1 of the block was accepted; position_offered[i]: rounds
+    # in which it was drafted and verified (the last rounds may offer fewer than bs - 1 drafts).
+    position_accepted: list[int] = field(default_factory=list)
+    position_offered: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    # Target forwards: prefill + one per round + the rare commit of a long deferred run (see `max_deferred`).
+    num_target_forwards: int = 0
+    time_to_first_token: float = 0.0
+    total_time: float = 0.0
+    stopped: bool = False
+    # What decoded: "plain" (transformers forwards, this module), "engine" or "engine+graphs" (flashdraft.speculative.engine).
+    backend: str = "plain"
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per verification round (NaN when no round ran)."""
+        return sum(self.acceptance_lengths) / self.num_rounds if self.num_rounds else float("nan")
+
+    @property
+    def time_per_output_token(self) -> float:
+        """Decode time (after the first token) per further token; 0.0 with fewer than two tokens."""
+        if len(self.tokens) < 2:
+            return 0.0
+        return (self.total_time - self.time_to_first_token) / (len(self.tokens) - 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.total_time if self.total_time > 0 else 0.0
+
+    @property
+    def position_acceptance_rate(self) -> list[float]:
+        return [
+            a / o if o else float("nan") for a, o in zip(self.position_accepted, self.position_offered, strict=True)
+        ]
