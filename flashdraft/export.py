@@ -75,8 +75,11 @@ def check_against_target(drafter_config: Qwen3Config, target: dict) -> list[str]
     missing = [k for k in ("hidden_size", "vocab_size", "num_hidden_layers") if k not in target]
     if missing:
         return [f"the target config has no {', '.join(missing)}"]
-    wrong = [f"{k} = {target[k]!r}" for k in ("hidden_size", "vocab_size", "num_hidden_layers")
-             if not isinstance(target[k], int) or isinstance(target[k], bool)]  # fmt: skip
+    wrong = [
+        f"{k} = {target[k]!r}"
+        for k in ("hidden_size", "vocab_size", "num_hidden_layers")
+        if not isinstance(target[k], int) or isinstance(target[k], bool)
+    ]
     if wrong:
         return [f"the target config has non-integer {', '.join(wrong)}"]
     problems = []

@@ -66,8 +66,14 @@ def resolve_model_dir(
 
     patterns = list(allow_patterns) + (["*.py"] if trust_remote_code else [])
     try:
-        return Path(snapshot_download(name, allow_patterns=patterns, revision=revision,
-                                      local_files_only=resolve_local_files_only(local_files_only)))  # fmt: skip
+        return Path(
+            snapshot_download(
+                name,
+                allow_patterns=patterns,
+                revision=revision,
+                local_files_only=resolve_local_files_only(local_files_only),
+            )
+        )
     except LocalEntryNotFoundError as err:
         raise FileNotFoundError(
             f"{what} {name} is neither a local directory nor in the hub cache, and downloads are off by default: "

@@ -55,8 +55,10 @@ def status(dist: str, version: str | None = None) -> str:
 
 
 def unsupported_message(dist: str, version: str) -> str:
-    return (f"flashdraft needs {dist} {supported_range(dist)}; this environment has {dist} {version}, older than "
-            f"the oldest supported release. Install a supported one: pip install '{dist}{supported_range(dist)}'")  # fmt: skip
+    return (
+        f"flashdraft needs {dist} {supported_range(dist)}; this environment has {dist} {version}, older than "
+        f"the oldest supported release. Install a supported one: pip install '{dist}{supported_range(dist)}'"
+    )
 
 
 def check_supported() -> None:

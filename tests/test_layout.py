@@ -92,9 +92,12 @@ def test_import_graph_counts_function_level_and_submodule_imports():
     assert find_cycle(graph) is not None
 
 
-@pytest.mark.xfail(strict=False, reason="train/loop.py, train/checkpoint.py, speculative/evaluate.py, "
-                   "drafter/model.py, data/prepare.py, data/formats.py, data/features.py, data/sources.py and the "
-                   "engine's target_runner.py are still being split")  # fmt: skip
+@pytest.mark.xfail(
+    strict=False,
+    reason="train/loop.py, train/checkpoint.py, speculative/evaluate.py, "
+    "drafter/model.py, data/prepare.py, data/formats.py, data/features.py, data/sources.py and the "
+    "engine's target_runner.py are still being split",
+)
 def test_no_module_outside_the_kernels_is_over_400_lines():
     long = {
         str(p.relative_to(ROOT)): n
@@ -104,8 +107,11 @@ def test_no_module_outside_the_kernels_is_over_400_lines():
     assert long == {}
 
 
-@pytest.mark.xfail(strict=False, reason="function-level imports between train/, data/features.py and the CLI and "
-                   "between the speculative engine and generate are still being untangled")  # fmt: skip
+@pytest.mark.xfail(
+    strict=False,
+    reason="function-level imports between train/, data/features.py and the CLI and "
+    "between the speculative engine and generate are still being untangled",
+)
 def test_no_import_cycle_among_flashdraft_modules():
     assert find_cycle(import_graph(package_modules())) is None
 
@@ -139,6 +145,9 @@ def test_no_tracked_file_speaks_of_work_sessions():
         data = path.read_bytes()
         if b"\0" in data[:8192]:
             continue  # binary
-        hits += [f"{name.decode()}:{i}" for i, line in enumerate(data.decode(errors="replace").splitlines(), 1)
-                 if WORK_LOG.search(line)]  # fmt: skip
+        hits += [
+            f"{name.decode()}:{i}"
+            for i, line in enumerate(data.decode(errors="replace").splitlines(), 1)
+            if WORK_LOG.search(line)
+        ]
     assert hits == []

@@ -40,7 +40,7 @@ def test_supported_ranges_are_the_pins():
         ("triton", "3.4.0", "too old"),
         ("triton", "3.9.0", "ok"),
     ],
-)  # fmt: skip
+)
 def test_status(dist, version, expected):
     assert versions.status(dist, version) == expected
 
@@ -56,13 +56,16 @@ def test_import_refuses_a_release_older_than_supported(tmp_path):
     record.mkdir()
     (record / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 5.2.0\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
-    out = subprocess.run([sys.executable, "-c", "import flashdraft"], capture_output=True, text=True, env=env,
-                         timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", "import flashdraft"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
-    assert last == ("ImportError: flashdraft needs transformers >=5.14,<5.26; this environment has transformers "
-                    "5.2.0, older than the oldest supported release. Install a supported one: "
-                    "pip install 'transformers>=5.14,<5.26'")  # fmt: skip
+    assert last == (
+        "ImportError: flashdraft needs transformers >=5.14,<5.26; this environment has transformers "
+        "5.2.0, older than the oldest supported release. Install a supported one: "
+        "pip install 'transformers>=5.14,<5.26'"
+    )
 
 
 def test_cache_keyword_of_the_installed_release():

@@ -62,7 +62,8 @@ def build_target(dtype: torch.dtype | None = None, device: str | torch.device = 
     from flashdraft.hub import NO_HUB_KERNELS
 
     hf_logging.disable_progress_bar()  # a 13 MB load needs no progress bar
-    model = AutoModelForCausalLM.from_pretrained(target_dir(), dtype=dtype or torch.float32, use_safetensors=True, **NO_HUB_KERNELS
+    model = AutoModelForCausalLM.from_pretrained(
+        target_dir(), dtype=dtype or torch.float32, use_safetensors=True, **NO_HUB_KERNELS
     )
     model = model.to(device)
     fastpath.enable(model, strict=False, run_probe=False)

@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flashdraft {args.command}: unavailable: {args._unavailable}", file=sys.stderr)
         return EXIT_BAD_INPUT
     # Under torchrun every rank has its own stderr stream in the job's output: say which rank a message is from.
-    where = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else ""
+    where = (
+        f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else ""
+    )
     try:
         return int(args.run(args) or EXIT_OK)
     except KeyboardInterrupt:
@@ -119,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        print(f"flashdraft {args.command}{where}: internal error: {type(exc).__name__}: {exc}\n(re-run with --debug for the traceback)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"flashdraft {args.command}{where}: internal error: {type(exc).__name__}: {exc}\n(re-run with --debug for the traceback)",
+            file=sys.stderr,
+        )
         return EXIT_INTERNAL
 
 

@@ -40,19 +40,24 @@ def run(args) -> int:
     cfg = load_config(args.config or bundled.ASSETS / "train.yaml", overrides)
     target, tokenizer = load_bench_target(cfg)
     s = bench_setup(cfg, target, tokenizer=tokenizer, steps=args.warmup + args.steps)
-    print(f"target: {target.name_or_path or cfg.target.path}, {len(target.decoder.layers)} layers run, "
-          f"{target.dtype}, {target.device}; drafter {sum(p.numel() for p in s.drafter.parameters()) / 1e6:.1f}M "
-          f"params; seq {cfg.data.max_length} x batch {cfg.train.batch_size} x accum {cfg.train.grad_accum}, "
-          f"{cfg.recipe.num_anchors} anchors x {s.drafter.block_size}", flush=True)  # fmt: skip
+    print(
+        f"target: {target.name_or_path or cfg.target.path}, {len(target.decoder.layers)} layers run, "
+        f"{target.dtype}, {target.device}; drafter {sum(p.numel() for p in s.drafter.parameters()) / 1e6:.1f}M "
+        f"params; seq {cfg.data.max_length} x batch {cfg.train.batch_size} x accum {cfg.train.grad_accum}, "
+        f"{cfg.recipe.num_anchors} anchors x {s.drafter.block_size}",
+        flush=True,
+    )
     from flashdraft.train.flops import describe
 
     if (basis := describe(s.device, s.peak)) is not None:
         print(basis, flush=True)
     result = run_train_step(s, cfg, warmup=args.warmup, steps=args.steps)
     result["seq"] = cfg.data.max_length
-    print(f"FLOPs per step (the trainer's cost model, attention excluded): {result['flops']:.4g} = "
-          f"{result['flops'] / result['seq_tokens'] / 1e9:.4g} GFLOP per sequence token; attention "
-          f"{result['attention']}, compiled layers {result['compiled']}")  # fmt: skip
+    print(
+        f"FLOPs per step (the trainer's cost model, attention excluded): {result['flops']:.4g} = "
+        f"{result['flops'] / result['seq_tokens'] / 1e9:.4g} GFLOP per sequence token; attention "
+        f"{result['attention']}, compiled layers {result['compiled']}"
+    )
     print(table([result]))
     if args.json:
         with open(args.json, "w") as fh:

@@ -6,9 +6,12 @@ from __future__ import annotations
 def add_parser(sub) -> None:
     p = sub.add_parser("doctor", help="check that every fast kernel of a hybrid target is active, per layer")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--model", default=None,
-                   help="tiny family name (qwen3_5, qwen3_5_moe, qwen3_next, qwen3), a config.json or a model "
-                        "directory; built with random weights (first --probe-layers layers). Default: tiny qwen3_5")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default=None,
+        help="tiny family name (qwen3_5, qwen3_5_moe, qwen3_next, qwen3), a config.json or a model "
+        "directory; built with random weights (first --probe-layers layers). Default: tiny qwen3_5",
+    )
     p.add_argument("--probe-layers", type=int, default=4, help="layers of --model to build and probe (default 4)")
     p.add_argument("--build-log", default=None, help="a pip log of a failed causal-conv1d build to explain")
     p.set_defaults(run=run)

@@ -91,8 +91,11 @@ def run(args) -> int:
 
         latest = CheckpointManager(bundled.DEFAULT_RUN).latest() if bundled.DEFAULT_RUN.is_dir() else None
         if latest is None:
-            print(f"flashdraft eval: no run in {bundled.DEFAULT_RUN}: evaluating the drafter shipped with the "
-                  "bundled target", file=sys.stderr)  # fmt: skip
+            print(
+                f"flashdraft eval: no run in {bundled.DEFAULT_RUN}: evaluating the drafter shipped with the "
+                "bundled target",
+                file=sys.stderr,
+            )
         args.target = bundled.BUNDLED
         args.drafter = str(bundled.drafter_dir() if latest is None else latest / "drafter")
         args.prompts = args.prompts or str(bundled.eval_prompts())
@@ -106,8 +109,10 @@ def run(args) -> int:
 
         latest = CheckpointManager(args.drafter).latest()
         if latest is None:
-            print(f"flashdraft eval: --drafter {args.drafter} is a training run with no complete checkpoint yet",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"flashdraft eval: --drafter {args.drafter} is a training run with no complete checkpoint yet",
+                file=sys.stderr,
+            )
             return EXIT_BAD_INPUT
         args.drafter = str(latest / "drafter")
     if not args.prompts:
@@ -141,8 +146,9 @@ def run(args) -> int:
         directory = resolve_model_dir(args.target, what="target")
         check_checkpoint(directory)
         tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
-        target = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=False, dtype=dtype,
-                                                      use_safetensors=True)  # fmt: skip
+        target = AutoModelForCausalLM.from_pretrained(
+            directory, trust_remote_code=False, dtype=dtype, use_safetensors=True
+        )
         target = target.to(device).eval()
     prompts = load_prompts(args.prompts, tokenizer, args.limit)
     if linear_attention_layers(target):

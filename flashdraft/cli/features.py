@@ -47,9 +47,11 @@ def run(args) -> int:
         result = _write(cfg, out, console)
         if not here.is_main:
             return EXIT_OK
-    console.print(f"[bold green]done[/]: features of {result.samples} samples in {result.files} files "
-                  f"({result.bytes / 2**20:.1f} MiB) at {result.out}\ntrain on them with: data.features={result.out}",
-                  soft_wrap=True)  # fmt: skip
+    console.print(
+        f"[bold green]done[/]: features of {result.samples} samples in {result.files} files "
+        f"({result.bytes / 2**20:.1f} MiB) at {result.out}\ntrain on them with: data.features={result.out}",
+        soft_wrap=True,
+    )
     return EXIT_OK
 
 

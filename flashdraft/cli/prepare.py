@@ -14,10 +14,18 @@ from flashdraft.data.prepare import OVERLONG, PrepareConfig, prepare_shards
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("prepare", help="tokenise training data (JSONL/Parquet, local or s3://) into shards, once",
-                       description=prepare.__doc__.split("\n\n")[0])  # fmt: skip
-    p.add_argument("--data", action="append", required=True, metavar="PATH_OR_GLOB_OR_S3",
-                   help="file, directory, glob or s3:// URL of .jsonl / .jsonl.gz / .parquet (repeatable)")  # fmt: skip
+    p = sub.add_parser(
+        "prepare",
+        help="tokenise training data (JSONL/Parquet, local or s3://) into shards, once",
+        description=prepare.__doc__.split("\n\n")[0],
+    )
+    p.add_argument(
+        "--data",
+        action="append",
+        required=True,
+        metavar="PATH_OR_GLOB_OR_S3",
+        help="file, directory, glob or s3:// URL of .jsonl / .jsonl.gz / .parquet (repeatable)",
+    )
     p.add_argument("--tokenizer", required=True, metavar="DIR", help="the target's tokenizer directory")
     p.add_argument("--out", required=True, metavar="DIR", help="output shard directory")
     p.add_argument("--format", default="auto", choices=FORMATS, help="record format (default: auto, per record)")
@@ -27,19 +35,42 @@ def add_parser(sub) -> None:
     p.add_argument("--drop-thinking", action="store_true", help="remove <think>...</think> / reasoning_content")
     p.add_argument("--split-marker", default=None, help="text records: loss only after this marker")
     p.add_argument("--append-eos", action="store_true", help="text records: append the EOS token")
-    p.add_argument("--template-kwargs", default=None, metavar="JSON",
-                   help='extra chat-template variables, e.g. \'{"enable_thinking": false}\'')  # fmt: skip
+    p.add_argument(
+        "--template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="extra chat-template variables, e.g. '{\"enable_thinking\": false}'",
+    )
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
     defaults = S3Config()
-    p.add_argument("--s3-connect-timeout", type=float, default=defaults.connect_timeout, metavar="S",
-                   help=f"s3://: seconds to wait for a connection (default {defaults.connect_timeout:g})")  # fmt: skip
-    p.add_argument("--s3-read-timeout", type=float, default=defaults.read_timeout, metavar="S",
-                   help=f"s3://: seconds an open connection may stay silent (default {defaults.read_timeout:g})")  # fmt: skip
-    p.add_argument("--s3-attempts", type=int, default=defaults.attempts, metavar="N",
-                   help=f"s3://: tries per request, the first included (default {defaults.attempts})")  # fmt: skip
+    p.add_argument(
+        "--s3-connect-timeout",
+        type=float,
+        default=defaults.connect_timeout,
+        metavar="S",
+        help=f"s3://: seconds to wait for a connection (default {defaults.connect_timeout:g})",
+    )
+    p.add_argument(
+        "--s3-read-timeout",
+        type=float,
+        default=defaults.read_timeout,
+        metavar="S",
+        help=f"s3://: seconds an open connection may stay silent (default {defaults.read_timeout:g})",
+    )
+    p.add_argument(
+        "--s3-attempts",
+        type=int,
+        default=defaults.attempts,
+        metavar="N",
+        help=f"s3://: tries per request, the first included (default {defaults.attempts})",
+    )
     p.add_argument("--force", action="store_true", help="rebuild and replace an existing --out")
-    p.add_argument("--workers", type=int, default=None,
-                   help="tokenising processes (default: 1 for small inputs, else half the cores, max 8)")  # fmt: skip
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="tokenising processes (default: 1 for small inputs, else half the cores, max 8)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -62,8 +93,9 @@ def _s3_config(args) -> S3Config:
             raise ValueError(f"{flag} {value:g}: must be > 0 (seconds)")
     if args.s3_attempts < 1:
         raise ValueError(f"--s3-attempts {args.s3_attempts}: must be >= 1 (the first try included)")
-    return S3Config(connect_timeout=args.s3_connect_timeout, read_timeout=args.s3_read_timeout,
-                    attempts=args.s3_attempts)  # fmt: skip
+    return S3Config(
+        connect_timeout=args.s3_connect_timeout, read_timeout=args.s3_read_timeout, attempts=args.s3_attempts
+    )
 
 
 def run(args) -> int:

@@ -24,8 +24,12 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="only the first N records")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="auto: vLLM, then SGLang, when installed and on a GPU; else transformers (hf)")  # fmt: skip
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="auto: vLLM, then SGLang, when installed and on a GPU; else transformers (hf)",
+    )
     p.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the target checkpoint")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=run)
@@ -42,8 +46,11 @@ def run(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))  # fmt: skip
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = choose_backend(args.backend, device)
     if backend != "hf":
@@ -62,15 +69,27 @@ def run(args) -> int:
         if not Path(args.target).is_dir():
             raise FileNotFoundError(f"--target {args.target}: not a model directory")
         tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype,
-                                                     trust_remote_code=args.trust_remote_code,
-                                                     **NO_HUB_KERNELS).to(device)  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(
+            args.target, dtype=dtype, trust_remote_code=args.trust_remote_code, **NO_HUB_KERNELS
+        ).to(device)
     if backend == "hf":
         fastpath.enable(model, strict=device.type == "cuda")
         model = model.eval()
-    counts = regenerate(model, tokenizer, args.data, args.out, temperature=args.temperature,
-                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,
-                        seed=args.seed, progress=not args.no_progress)  # fmt: skip
-    Console().print(f"regenerated {counts['written']} records with {backend} into {args.out} "
-                    f"({counts['already_done']} already done, {counts['read']} read) in {counts['seconds']} s", soft_wrap=True)  # fmt: skip
+    counts = regenerate(
+        model,
+        tokenizer,
+        args.data,
+        args.out,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        limit=args.limit,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    Console().print(
+        f"regenerated {counts['written']} records with {backend} into {args.out} "
+        f"({counts['already_done']} already done, {counts['read']} read) in {counts['seconds']} s",
+        soft_wrap=True,
+    )
     return EXIT_OK

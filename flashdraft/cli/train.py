@@ -1,8 +1,8 @@
 """CLI glue for `flashdraft train` (the loop lives in flashdraft.train.loop).
 
-    flashdraft train --config C.yaml                             # one process
-    flashdraft train --nproc 8 --config C.yaml                   # 8 on this machine: torchrun, NCCL variables set
-    torchrun --nproc-per-node 8 -m flashdraft train --config C.yaml
+flashdraft train --config C.yaml                             # one process
+flashdraft train --nproc 8 --config C.yaml                   # 8 on this machine: torchrun, NCCL variables set
+torchrun --nproc-per-node 8 -m flashdraft train --config C.yaml
 """
 
 from __future__ import annotations
@@ -76,15 +76,23 @@ def _run(args, cfg, console) -> int:
         if not world.is_main:
             return EXIT_OK
     if result.stopped_by:
-        console.print(f"\n[bold yellow]stopped[/] by {result.stopped_by} after step {result.steps}; checkpoint: "
-                      f"{result.checkpoint}\ncontinue with: flashdraft train ... --resume", soft_wrap=True)  # fmt: skip
+        console.print(
+            f"\n[bold yellow]stopped[/] by {result.stopped_by} after step {result.steps}; checkpoint: "
+            f"{result.checkpoint}\ncontinue with: flashdraft train ... --resume",
+            soft_wrap=True,
+        )
         # Not 0: a scheduler must not take a stopped run for a finished one (128 + signal, as the shell reports).
         return 128 + signal.Signals.__members__.get(result.stopped_by, signal.SIGTERM)
-    console.print(f"\n[bold green]done[/]: {result.steps} steps, loss {result.loss:.3f}, simulated τ {result.sim_tau:.2f}"
-                  + (f", measured τ {result.measured_tau:.2f} (greedy, held-out prompts)" if result.measured_tau else ""),
-                  soft_wrap=True)  # fmt: skip
-    console.print(f"checkpoint: {result.checkpoint}\nmetrics:    {result.out / 'metrics.jsonl'}"
-                  + (f"\ncurve:      {result.curve}" if result.curve else ""), soft_wrap=True)  # fmt: skip
+    console.print(
+        f"\n[bold green]done[/]: {result.steps} steps, loss {result.loss:.3f}, simulated τ {result.sim_tau:.2f}"
+        + (f", measured τ {result.measured_tau:.2f} (greedy, held-out prompts)" if result.measured_tau else ""),
+        soft_wrap=True,
+    )
+    console.print(
+        f"checkpoint: {result.checkpoint}\nmetrics:    {result.out / 'metrics.jsonl'}"
+        + (f"\ncurve:      {result.curve}" if result.curve else ""),
+        soft_wrap=True,
+    )
     return EXIT_OK
 
 
@@ -122,9 +130,14 @@ def preflight(cfg, resume: bool = False) -> None:
 
 
 def add_nproc_argument(p) -> None:
-    p.add_argument("--nproc", type=int, default=None, metavar="N",
-                   help="run N data-parallel processes on this machine (launches torchrun --standalone; sets "
-                        "NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 unless set)")  # fmt: skip
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N data-parallel processes on this machine (launches torchrun --standalone; sets "
+        "NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 unless set)",
+    )
 
 
 def relaunch_argv(args, command: str) -> list[str]:

@@ -66,8 +66,10 @@ def from_dict(cls, data: dict, prefix: str = ""):
     """Build dataclass `cls` from a nested mapping; unknown keys and wrong types raise ConfigError."""
     if not isinstance(data, dict):
         section = prefix.rstrip(".")
-        raise ConfigError(f"{section or 'config'}: expected a mapping of fields, got {type(data).__name__} {data!r}",
-                          field=section or None)  # fmt: skip
+        raise ConfigError(
+            f"{section or 'config'}: expected a mapping of fields, got {type(data).__name__} {data!r}",
+            field=section or None,
+        )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -119,8 +121,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         except UnicodeDecodeError as exc:
             raise ConfigError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
         if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(_SECTIONS)}) at the top level, "
-                              f"got a YAML {type(tree).__name__}")  # fmt: skip
+            raise ConfigError(
+                f"{path}: expected a mapping of sections ({', '.join(_SECTIONS)}) at the top level, "
+                f"got a YAML {type(tree).__name__}"
+            )
     given: dict[str, str] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")

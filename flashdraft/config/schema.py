@@ -211,13 +211,19 @@ class RunConfig:
     def validate(self) -> RunConfig:
         checks = [
             ("drafter.num_layers", self.drafter.num_layers >= 1, "must be >= 1"),
-            ("drafter.overrides", not (self.drafter.overrides and self.drafter.init_from),
-             "cannot change a drafter loaded from drafter.init_from (set drafter.init_from: null to train a new one)"),
+            (
+                "drafter.overrides",
+                not (self.drafter.overrides and self.drafter.init_from),
+                "cannot change a drafter loaded from drafter.init_from (set drafter.init_from: null to train a new one)",
+            ),
             ("drafter.block_size", self.drafter.block_size >= 2, "must be >= 2 (the anchor plus one drafted token)"),
             ("data.max_length", self.data.max_length >= self.drafter.block_size, "must be >= drafter.block_size"),
             ("data.overlong", self.data.overlong in ("truncate", "drop"), "must be 'truncate' or 'drop'"),
-            ("data.format", self.data.format in ("auto", "chat", "sharegpt", "text", "tokenized"),
-             "must be one of auto, chat, sharegpt, text, tokenized"),
+            (
+                "data.format",
+                self.data.format in ("auto", "chat", "sharegpt", "text", "tokenized"),
+                "must be one of auto, chat, sharegpt, text, tokenized",
+            ),
             ("data.train", bool(self.data.train), "needs at least one path"),
             ("data.eval_limit", self.data.eval_limit >= 1, "must be >= 1"),
             ("data.eval_max_new_tokens", self.data.eval_max_new_tokens >= 1, "must be >= 1"),
@@ -226,8 +232,11 @@ class RunConfig:
             ("optim.lr", self.optim.lr > 0, "must be > 0"),
             ("optim.warmup_ratio", 0 <= self.optim.warmup_ratio < 1, "must be in [0, 1)"),
             ("optim.grad_clip", self.optim.grad_clip > 0, "must be > 0"),
-            ("optim.betas", len(self.optim.betas) == 2 and all(0 <= b < 1 for b in self.optim.betas),
-             "must be two numbers in [0, 1)"),
+            (
+                "optim.betas",
+                len(self.optim.betas) == 2 and all(0 <= b < 1 for b in self.optim.betas),
+                "must be two numbers in [0, 1)",
+            ),
             ("train.epochs", self.train.epochs >= 1, "must be >= 1"),
             ("train.max_steps", self.train.max_steps is None or self.train.max_steps >= 1, "must be >= 1"),
             ("train.batch_size", self.train.batch_size >= 1, "must be >= 1"),
@@ -239,29 +248,40 @@ class RunConfig:
             ("train.compile", is_switch(self.train.compile), "must be auto, true or false"),
             ("train.peak_tflops", self.train.peak_tflops is None or self.train.peak_tflops > 0, "must be > 0 or null"),
             ("target.compile", is_switch(self.target.compile), "must be auto, true or false"),
-            ("target.dtype", self.target.dtype in ("auto", "bfloat16", "float16", "float32"),
-             "must be auto, bfloat16, float16 or float32"),
+            (
+                "target.dtype",
+                self.target.dtype in ("auto", "bfloat16", "float16", "float32"),
+                "must be auto, bfloat16, float16 or float32",
+            ),
             ("log.every", self.log.every >= 1, "must be >= 1"),
             ("log.checkpoint_every", self.log.checkpoint_every >= 1, "must be >= 1"),
             ("log.keep_checkpoints", self.log.keep_checkpoints >= 1, "must be >= 1"),
             ("s3.connect_timeout", self.s3.connect_timeout > 0, "must be > 0 (seconds)"),
             ("s3.read_timeout", self.s3.read_timeout > 0, "must be > 0 (seconds)"),
             ("s3.attempts", self.s3.attempts >= 1, "must be >= 1 (the first try included)"),
-            ("log.eval_every", self.log.eval_every >= 0 and self.log.eval_every % self.log.every == 0,
-             f"must be 0 or a multiple of log.every ({self.log.every}): τ is reported in that step's metrics"),
-        ]  # fmt: skip
+            (
+                "log.eval_every",
+                self.log.eval_every >= 0 and self.log.eval_every % self.log.every == 0,
+                f"must be 0 or a multiple of log.every ({self.log.every}): τ is reported in that step's metrics",
+            ),
+        ]
         for name, ok, why in checks:
             if not ok:
                 raise ConfigError(f"{name} = {_get(self, name)!r}: {why}", field=name)
         ids = self.drafter.target_layer_ids
         if ids is not None and (len(set(ids)) != len(ids) or any(i < 0 for i in ids)):
-            raise ConfigError(f"drafter.target_layer_ids = {ids}: must be distinct, non-negative layer indices",
-                              field="drafter.target_layer_ids")  # fmt: skip
+            raise ConfigError(
+                f"drafter.target_layer_ids = {ids}: must be distinct, non-negative layer indices",
+                field="drafter.target_layer_ids",
+            )
         if self.recipe.num_anchors > self.data.max_length:
             # Not an error: anchors are drawn per sequence from its response positions, all of them when fewer.
-            logger.warning("recipe.num_anchors = %d exceeds data.max_length = %d: every sequence will use all of its "
-                           "response positions as anchors (clamped per sequence)", self.recipe.num_anchors,
-                           self.data.max_length)  # fmt: skip
+            logger.warning(
+                "recipe.num_anchors = %d exceeds data.max_length = %d: every sequence will use all of its "
+                "response positions as anchors (clamped per sequence)",
+                self.recipe.num_anchors,
+                self.data.max_length,
+            )
         return self
 
 

@@ -118,8 +118,12 @@ def _write_features(target, data, out: str, s3, sharded: bool, target_path: str 
     distributed.barrier()
     width = len(target.target_layer_ids) * target.hidden_size
     needed = (data.num_tokens * width + 2 * target.lm_head_weight.numel()) * target.dtype.itemsize
-    with room_for(out, needed, f"the features of {len(data)} samples",
-                  f"{out} has no {INDEX}, so train refuses it: make room, then run `flashdraft features` again"):  # fmt: skip
+    with room_for(
+        out,
+        needed,
+        f"the features of {len(data)} samples",
+        f"{out} has no {INDEX}, so train refuses it: make room, then run `flashdraft features` again",
+    ):
         return _capture(target, data, out, fs, root, here, sharded, target_path)
 
 
@@ -174,8 +178,10 @@ def _capture(target, data, out: str, fs, root: str, here, sharded: bool, target_
         total_bytes = sum(sizes)
     samples = {i: name for part in everyone for name, indices in part.items() for i in indices}
     if here.is_main:
-        head = {"embed": target.model.get_input_embeddings().weight.detach().cpu().clone(),
-                "lm_head": target.lm_head_weight.detach().cpu().clone()}  # fmt: skip
+        head = {
+            "embed": target.model.get_input_embeddings().weight.detach().cpu().clone(),
+            "lm_head": target.lm_head_weight.detach().cpu().clone(),
+        }
         _put(fs, f"{root}/{HEAD}", save(head))
         _put(fs, f"{root}/{CONFIG}", target.config.to_json_string().encode())
         index = {
@@ -216,9 +222,11 @@ class FeatureStore:
         """Refuse features captured from other data (another tokenizer, max_length, source files...)."""
         mine, theirs = data.meta.get("content_hash"), self.index["data_hash"]
         if mine != theirs or len(data) != self.index["num_samples"]:
-            raise ValueError(f"data.features = {self.url}: captured from other training data ({self.index['num_samples']} "
-                             f"samples, content hash {theirs[:12]}) than this config's ({len(data)} samples, "
-                             f"{str(mine)[:12]}): re-run `flashdraft features` with this config")  # fmt: skip
+            raise ValueError(
+                f"data.features = {self.url}: captured from other training data ({self.index['num_samples']} "
+                f"samples, content hash {theirs[:12]}) than this config's ({len(data)} samples, "
+                f"{str(mine)[:12]}): re-run `flashdraft features` with this config"
+            )
 
     def head_target(self, target_layer_ids: list[int] | None = None) -> HeadTarget:
         from safetensors.torch import load
@@ -226,13 +234,16 @@ class FeatureStore:
 
         ids = list(self.index["target_layer_ids"])
         if target_layer_ids is not None and list(target_layer_ids) != ids:
-            raise ValueError(f"drafter.target_layer_ids = {list(target_layer_ids)}, but the features in {self.url} "
-                             f"hold layers {ids}: capture them again or drop the override")  # fmt: skip
+            raise ValueError(
+                f"drafter.target_layer_ids = {list(target_layer_ids)}, but the features in {self.url} "
+                f"hold layers {ids}: capture them again or drop the override"
+            )
         config = json.loads(self.fs.cat_file(f"{self.root}/{CONFIG}"))
         config = AutoConfig.for_model(config.pop("model_type"), **config)
         head = load(self.fs.cat_file(f"{self.root}/{HEAD}"))
-        return HeadTarget(config, ids, head["embed"].to(self.device), head["lm_head"].to(self.device),
-                          name=self.index["target"])  # fmt: skip
+        return HeadTarget(
+            config, ids, head["embed"].to(self.device), head["lm_head"].to(self.device), name=self.index["target"]
+        )
 
     def sample(self, index: int) -> torch.Tensor:
         """(T, n * D) features of sample `index`, on the CPU."""
@@ -269,16 +280,20 @@ class FeatureStore:
 
 # field -> (check, what it must be)
 _INDEX_FIELDS = {
-    "target_layer_ids": (lambda v: isinstance(v, list) and v and all(type(i) is int and i >= 0 for i in v),
-                         "a non-empty list of layer indices"),
+    "target_layer_ids": (
+        lambda v: isinstance(v, list) and v and all(type(i) is int and i >= 0 for i in v),
+        "a non-empty list of layer indices",
+    ),
     "hidden_size": (lambda v: type(v) is int and v > 0, "a positive integer"),
     "dtype": (lambda v: v in ("bfloat16", "float16", "float32", "float64"), "bfloat16, float16, float32 or float64"),
     "data_hash": (lambda v: isinstance(v, str) and v, "the content hash of the tokenised data"),
     "num_samples": (lambda v: type(v) is int and v >= 0, "a sample count"),
-    "files": (lambda v: isinstance(v, list) and all(isinstance(n, str) and "/" not in n for n in v),
-              "a list of file names in the directory"),
+    "files": (
+        lambda v: isinstance(v, list) and all(isinstance(n, str) and "/" not in n for n in v),
+        "a list of file names in the directory",
+    ),
     "samples": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of file names"),
-}  # fmt: skip
+}
 
 
 def _read_index(fs, root: str, url: str) -> dict:
@@ -287,8 +302,10 @@ def _read_index(fs, root: str, url: str) -> dict:
     try:
         raw = fs.cat_file(f"{root}/{INDEX}")
     except FileNotFoundError:
-        raise FileNotFoundError(f"data.features = {url}: no {INDEX} there (run `flashdraft features --out "
-                                f"{url}` first; the index is written last, so a cut-off run has none)") from None  # fmt: skip
+        raise FileNotFoundError(
+            f"data.features = {url}: no {INDEX} there (run `flashdraft features --out "
+            f"{url}` first; the index is written last, so a cut-off run has none)"
+        ) from None
 
     def bad(what: str, field: str | None = None) -> DataError:
         return DataError(what, reason="unreadable_file", source=where, field=field, skippable=False)
@@ -298,13 +315,16 @@ def _read_index(fs, root: str, url: str) -> dict:
     except UnicodeDecodeError as exc:
         raise bad(f"not valid UTF-8 (byte {exc.start}): the file is damaged; run `flashdraft features` again") from None
     except json.JSONDecodeError as exc:
-        raise bad(f"not valid JSON ({exc.msg}, line {exc.lineno} column {exc.colno}): the file is damaged; run "
-                  "`flashdraft features` again") from None  # fmt: skip
+        raise bad(
+            f"not valid JSON ({exc.msg}, line {exc.lineno} column {exc.colno}): the file is damaged; run "
+            "`flashdraft features` again"
+        ) from None
     if not isinstance(index, dict):
         raise bad(f"expected a JSON object, got {type(index).__name__}")
     if index.get("format") != FORMAT:
-        raise bad(f"format {index.get('format')!r}, not {FORMAT}: capture the features again with this version",
-                  "format")  # fmt: skip
+        raise bad(
+            f"format {index.get('format')!r}, not {FORMAT}: capture the features again with this version", "format"
+        )
     for field, (ok, expected) in _INDEX_FIELDS.items():
         if field not in index:
             raise bad("missing", field)

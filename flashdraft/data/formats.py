@@ -103,8 +103,11 @@ def detect_format(record: dict) -> str:
     if "text" in record or ("prompt" in record and "response" in record):
         return "text"
     keys = ", ".join(sorted(map(str, record))) or "none"
-    raise DataError(f"cannot tell the format from the keys ({keys}); expected messages, conversations, text, "
-                    "prompt + response, or input_ids + loss_mask", reason="unknown_format")  # fmt: skip
+    raise DataError(
+        f"cannot tell the format from the keys ({keys}); expected messages, conversations, text, "
+        "prompt + response, or input_ids + loss_mask",
+        reason="unknown_format",
+    )
 
 
 def strip_thinking(text: str) -> str:
@@ -127,9 +130,12 @@ class Encoder:
         self.config = config or FormatConfig()
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
-            raise DataError(f"tokenizer {type(tokenizer).__name__} is not a fast tokenizer: flashdraft needs the "
-                            "offsets of a `tokenizers`-backed one (tokenizer.json)", reason="template_error",
-                            skippable=False)  # fmt: skip
+            raise DataError(
+                f"tokenizer {type(tokenizer).__name__} is not a fast tokenizer: flashdraft needs the "
+                "offsets of a `tokenizers`-backed one (tokenizer.json)",
+                reason="template_error",
+                skippable=False,
+            )
         self._backend = backend
         self.vocab_size = len(tokenizer)
         specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
@@ -174,10 +180,13 @@ class Encoder:
     def check_chat_template(self) -> None:
         """Raise a (non-skippable) DataError when the tokenizer has no chat template."""
         if not self.tokenizer.chat_template:
-            raise DataError(f"tokenizer '{self.tokenizer.name_or_path}' has no chat template, so chat records cannot "
-                            "be rendered: use --format text for raw text, or give a tokenizer with a chat_template "
-                            "(chat_template.jinja or tokenizer_config.json)", reason="template_error",
-                            skippable=False)  # fmt: skip
+            raise DataError(
+                f"tokenizer '{self.tokenizer.name_or_path}' has no chat template, so chat records cannot "
+                "be rendered: use --format text for raw text, or give a tokenizer with a chat_template "
+                "(chat_template.jinja or tokenizer_config.json)",
+                reason="template_error",
+                skippable=False,
+            )
 
     def render(self, record: dict) -> Rendered | Sample:
         fmt = self.config.format
@@ -233,8 +242,9 @@ class Encoder:
 
     def _apply(self, messages: list[dict], generation_prompt: bool, quiet: bool = False) -> str | None:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                                      **self.config.template_kwargs)  # fmt: skip
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt, **self.config.template_kwargs
+            )
         except Exception as exc:
             if quiet:
                 return None
@@ -244,8 +254,10 @@ class Encoder:
         """Character span of message i's content in `full` (see the module docstring)."""
         dummy = next((d for d in _DUMMIES if d not in full), None)
         if dummy is None:
-            raise DataError("the conversation uses every private-use character flashdraft could stand in for its "
-                            "content", reason="template_error")  # fmt: skip
+            raise DataError(
+                "the conversation uses every private-use character flashdraft could stand in for its content",
+                reason="template_error",
+            )
         alt = [*messages[:i], {**messages[i], "content": dummy}, *messages[i + 1 :]]
         other = self._apply(alt, False)
         p = other.find(dummy)
@@ -271,8 +283,9 @@ class Encoder:
             if cfg.split_marker is not None:
                 at = text.find(cfg.split_marker)
                 if at < 0:
-                    raise DataError(f"split marker {cfg.split_marker!r} not found", reason="no_split_marker",
-                                    field="text")  # fmt: skip
+                    raise DataError(
+                        f"split marker {cfg.split_marker!r} not found", reason="no_split_marker", field="text"
+                    )
                 if cfg.keep_split_marker:
                     start = at + len(cfg.split_marker)
                 else:
@@ -289,23 +302,32 @@ class Encoder:
     def _tokenized(self, record: dict) -> Sample:
         for key in ("input_ids", "loss_mask"):
             if key not in record:
-                raise DataError("missing (format tokenized needs input_ids and loss_mask)", reason="missing_field",
-                                field=key)  # fmt: skip
+                raise DataError(
+                    "missing (format tokenized needs input_ids and loss_mask)", reason="missing_field", field=key
+                )
         ids = _int_array(record["input_ids"], "input_ids", allow_bool=False)
         mask = _int_array(record["loss_mask"], "loss_mask", allow_bool=True)
         if len(ids) != len(mask):
-            raise DataError(f"input_ids has {len(ids)} tokens but loss_mask has {len(mask)}",
-                            reason="length_mismatch", field="loss_mask")  # fmt: skip
+            raise DataError(
+                f"input_ids has {len(ids)} tokens but loss_mask has {len(mask)}",
+                reason="length_mismatch",
+                field="loss_mask",
+            )
         if len(ids) == 0:
             raise DataError("no tokens", reason="empty_sample", field="input_ids")
         bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
         if bad.size:
-            raise DataError(f"token id {int(ids[bad[0]])} at position {int(bad[0])} is outside the vocabulary "
-                            f"[0, {self.vocab_size})", reason="token_out_of_range", field="input_ids")  # fmt: skip
+            raise DataError(
+                f"token id {int(ids[bad[0]])} at position {int(bad[0])} is outside the vocabulary "
+                f"[0, {self.vocab_size})",
+                reason="token_out_of_range",
+                field="input_ids",
+            )
         bad = np.flatnonzero((mask != 0) & (mask != 1))
         if bad.size:
-            raise DataError(f"values must be 0 or 1, got {int(mask[bad[0]])} at position {int(bad[0])}",
-                            field="loss_mask")  # fmt: skip
+            raise DataError(
+                f"values must be 0 or 1, got {int(mask[bad[0]])} at position {int(bad[0])}", field="loss_mask"
+            )
         return Sample(ids.astype(np.int32), mask.astype(np.uint8))
 
 
@@ -331,23 +353,26 @@ def check_messages(messages: Any, key: str = "messages") -> list[dict]:
         if not isinstance(role, str):
             raise DataError(f"expected a string, got {type(role).__name__}", field=f"{where}.{role_key}")
         if role.lower() not in ROLES:
-            raise DataError(f"unknown role {role!r} (expected one of {', '.join(ROLES)})", reason="unknown_role",
-                            field=f"{where}.{role_key}")  # fmt: skip
+            raise DataError(
+                f"unknown role {role!r} (expected one of {', '.join(ROLES)})",
+                reason="unknown_role",
+                field=f"{where}.{role_key}",
+            )
         role = ROLES[role.lower()]
         content_key = "content" if "content" in m else "value" if "value" in m else None
         content = m.get(content_key) if content_key else None
         if content is None and role == "assistant" and m.get("tool_calls"):
             content = ""
         elif content_key is None:
-            raise DataError("missing (expected 'content' or 'value')", reason="missing_field",
-                            field=f"{where}.content")  # fmt: skip
+            raise DataError("missing (expected 'content' or 'value')", reason="missing_field", field=f"{where}.content")
         content = _text_content(content, f"{where}.{content_key}")
         # Parquet structs give absent keys as None; drop them so templates see them as undefined.
         msg = {k: v for k, v in m.items() if k not in ("role", "from", "content", "value") and v is not None}
         msg["role"], msg["content"] = role, content
         if "reasoning_content" in msg and not isinstance(msg["reasoning_content"], str):
-            raise DataError(f"expected a string, got {type(msg['reasoning_content']).__name__}",
-                            field=f"{where}.reasoning_content")  # fmt: skip
+            raise DataError(
+                f"expected a string, got {type(msg['reasoning_content']).__name__}", field=f"{where}.reasoning_content"
+            )
         out.append(msg)
     return out
 

@@ -113,8 +113,9 @@ def load_tokenizer(path: str):
     try:
         return AutoTokenizer.from_pretrained(directory)
     except Exception as exc:
-        raise DataError(f"cannot load a tokenizer ({type(exc).__name__}: {exc})", source=str(path),
-                        skippable=False) from None  # fmt: skip
+        raise DataError(
+            f"cannot load a tokenizer ({type(exc).__name__}: {exc})", source=str(path), skippable=False
+        ) from None
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -152,19 +153,28 @@ def _reuse(out: Path, hashes: dict[str, str], cfg: PrepareConfig) -> dict | None
         return None
     meta = read_meta(out)
     if meta is None:
-        raise DataError("exists and is not a flashdraft shard directory: pass --force to replace it, or choose "
-                        "another --out", source=str(out), skippable=False)  # fmt: skip
+        raise DataError(
+            "exists and is not a flashdraft shard directory: pass --force to replace it, or choose another --out",
+            source=str(out),
+            skippable=False,
+        )
     if meta.get("content_hash") != hashes["content"]:
         old = meta.get("input_hashes") or {}
         what = ", ".join(k for k in ("sources", "tokenizer", "options") if old.get(k) != hashes[k]) or "format version"
-        raise DataError(f"holds shards of different inputs (changed: {what}): pass --force to replace them, or "
-                        "choose another --out", source=str(out),
-                        skippable=False)  # fmt: skip
+        raise DataError(
+            f"holds shards of different inputs (changed: {what}): pass --force to replace them, or "
+            "choose another --out",
+            source=str(out),
+            skippable=False,
+        )
     skipped = sum((meta.get("counts") or {}).get("skipped", {}).values())
     if skipped and not cfg.skip_bad:
-        raise DataError(f"these shards were written with --skip-bad and {skipped} bad records were skipped: pass "
-                        "--skip-bad to reuse them, or fix the data and pass --force", source=str(out),
-                        skippable=False)  # fmt: skip
+        raise DataError(
+            f"these shards were written with --skip-bad and {skipped} bad records were skipped: pass "
+            "--skip-bad to reuse them, or fix the data and pass --force",
+            source=str(out),
+            skippable=False,
+        )
     return meta
 
 
@@ -210,8 +220,14 @@ def _write(cfg: PrepareConfig, files, hashes, tok_hash, tokenizer, encoder, cons
     total, read, writer = sum(f.size for f in files), [0], None
     with ExitStack() as stack:
         kept = "the shards already there are unchanged" if out.exists() else "nothing was kept"
-        stack.enter_context(room_for(out.parent, lambda: _needed(writer, read[0], total), f"the shards {out}",
-                                     f"{kept[0].upper()}{kept[1:]}: make room, then run again"))  # fmt: skip
+        stack.enter_context(
+            room_for(
+                out.parent,
+                lambda: _needed(writer, read[0], total),
+                f"the shards {out}",
+                f"{kept[0].upper()}{kept[1:]}: make room, then run again",
+            )
+        )
         writer = stack.enter_context(ShardWriter(out, replace=True))
         advance = stack.enter_context(_progress(files, cfg, console))
 
@@ -234,8 +250,11 @@ def _write(cfg: PrepareConfig, files, hashes, tok_hash, tokenizer, encoder, cons
             advance(0, records=report.records)
         report.kept, report.tokens, report.loss_tokens = len(writer), writer.num_tokens, writer.num_loss_tokens
         if report.kept == 0:
-            raise DataError(f"no sample left to write (read {report.records} records; counts: {report.as_dict()})",
-                            source=", ".join(redact(d) for d in cfg.data), skippable=False)  # fmt: skip
+            raise DataError(
+                f"no sample left to write (read {report.records} records; counts: {report.as_dict()})",
+                source=", ".join(redact(d) for d in cfg.data),
+                skippable=False,
+            )
         writer.commit(
             {
                 "content_hash": hashes["content"],
@@ -327,8 +346,14 @@ class _progress:
             return lambda nbytes, records=None: None
         from rich import progress as rp
 
-        columns = (rp.TextColumn("[bold]reading"), rp.BarColumn(), rp.DownloadColumn(), rp.TransferSpeedColumn(),
-                   rp.TextColumn("{task.fields[records]:,} records"), rp.TimeRemainingColumn())  # fmt: skip
+        columns = (
+            rp.TextColumn("[bold]reading"),
+            rp.BarColumn(),
+            rp.DownloadColumn(),
+            rp.TransferSpeedColumn(),
+            rp.TextColumn("{task.fields[records]:,} records"),
+            rp.TimeRemainingColumn(),
+        )
         self.bar = rp.Progress(*columns, console=self.console)
         self.bar.start()
         task = self.bar.add_task("read", total=self.total, records=0)

@@ -62,10 +62,14 @@ def _parse_job(index: int, where: str, data: dict) -> Job:
             raise DataError(f"expected a string, got {type(data['prompt']).__name__}", field="prompt")
         return Job(index, where, "text", prompt=data["prompt"])
     if isinstance(data.get("text"), str):
-        raise DataError("a 'text' record has no prompt to continue; give 'prompt' (and 'response')", field="text",
-                        reason="missing_field")  # fmt: skip
-    raise DataError(f"expected 'messages', 'conversations' or 'prompt', got keys {sorted(data)}",
-                    reason="unknown_format")  # fmt: skip
+        raise DataError(
+            "a 'text' record has no prompt to continue; give 'prompt' (and 'response')",
+            field="text",
+            reason="missing_field",
+        )
+    raise DataError(
+        f"expected 'messages', 'conversations' or 'prompt', got keys {sorted(data)}", reason="unknown_format"
+    )
 
 
 def _done_indices(out: Path) -> set[int]:
@@ -101,9 +105,14 @@ def _generate(model, tokenizer, texts: list[str], temperature: float, max_new_to
     torch.manual_seed(seed)
     with _sdpa_without_cudnn(model.device):
         out = model.generate(
-            **batch, max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature or None,
-            top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id,
-        )  # fmt: skip
+            **batch,
+            max_new_tokens=max_new_tokens,
+            do_sample=temperature > 0,
+            temperature=temperature or None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
@@ -176,14 +185,25 @@ def choose_backend(requested: str, device: torch.device) -> str:
             return next((name for name, ok in installed.items() if ok), "hf")
         return "hf"
     if requested != "hf" and not installed[requested]:
-        raise ValueError(f"--backend {requested}: {requested} is not installed (pip install {requested}), or use "
-                         "--backend hf")  # fmt: skip
+        raise ValueError(
+            f"--backend {requested}: {requested} is not installed (pip install {requested}), or use --backend hf"
+        )
     return requested
 
 
-def regenerate(target, tokenizer, data: list[str], out: str | Path, *, temperature: float = 0.0,
-               max_new_tokens: int = 1024, batch_size: int = 8, limit: int | None = None, seed: int = 0,
-               progress: bool = True) -> dict:  # fmt: skip
+def regenerate(
+    target,
+    tokenizer,
+    data: list[str],
+    out: str | Path,
+    *,
+    temperature: float = 0.0,
+    max_new_tokens: int = 1024,
+    batch_size: int = 8,
+    limit: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
     """Regenerate the responses of `data` with `target`; returns counts (read, written, skipped_done).
 
     `target`: an HF causal LM (generated with transformers), or a generator such as VLLMGenerator.
@@ -216,8 +236,11 @@ def regenerate(target, tokenizer, data: list[str], out: str | Path, *, temperatu
             chunk = jobs[start : start + batch_size]
             replies = generate([texts[j.index] for j in chunk], temperature, max_new_tokens, seed + start)
             for job, reply in zip(chunk, replies, strict=True):
-                row = ({"messages": [*job.messages, {"role": "assistant", "content": reply}]} if job.kind == "chat"
-                       else {"prompt": job.prompt, "response": reply})  # fmt: skip
+                row = (
+                    {"messages": [*job.messages, {"role": "assistant", "content": reply}]}
+                    if job.kind == "chat"
+                    else {"prompt": job.prompt, "response": reply}
+                )
                 fh.write(json.dumps({**row, "source": job.where, "_index": job.index}) + "\n")
             fh.flush()
             os.fsync(fh.fileno())

@@ -138,11 +138,18 @@ class TokenizedDataset:
         self.return_tensors = return_tensors
         meta = read_meta(self.path)
         if meta is None:
-            raise DataError(f"not a shard directory (no readable {META}); run `flashdraft prepare` first",
-                            source=str(self.path), skippable=False)  # fmt: skip
+            raise DataError(
+                f"not a shard directory (no readable {META}); run `flashdraft prepare` first",
+                source=str(self.path),
+                skippable=False,
+            )
         if meta.get("format_version") != FORMAT_VERSION:
-            raise DataError(f"shard format version {meta.get('format_version')} is not {FORMAT_VERSION}: re-run "
-                            "`flashdraft prepare --force`", source=str(self.path), skippable=False)  # fmt: skip
+            raise DataError(
+                f"shard format version {meta.get('format_version')} is not {FORMAT_VERSION}: re-run "
+                "`flashdraft prepare --force`",
+                source=str(self.path),
+                skippable=False,
+            )
         self.meta = meta
         self.index = np.load(self.path / INDEX, mmap_mode="r")
         # offsets are cumulative, so the last row gives the total without reading the whole index
@@ -150,9 +157,12 @@ class TokenizedDataset:
         for name, itemsize in ((INPUT_IDS, 4), (LOSS_MASK, 1)):
             size = (self.path / name).stat().st_size
             if size != n_tokens * itemsize:
-                raise DataError(f"{name} holds {size} bytes, the index needs {n_tokens * itemsize}: the shards are "
-                                "damaged; re-run `flashdraft prepare --force`", source=str(self.path),
-                                skippable=False)  # fmt: skip
+                raise DataError(
+                    f"{name} holds {size} bytes, the index needs {n_tokens * itemsize}: the shards are "
+                    "damaged; re-run `flashdraft prepare --force`",
+                    source=str(self.path),
+                    skippable=False,
+                )
         self._ids = self._mask = None
 
     def _open(self) -> None:

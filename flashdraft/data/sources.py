@@ -147,13 +147,17 @@ def remote_error(
     if isinstance(exc, FileNotFoundError):
         return error("no such file, directory or bucket")
     if names & _CONNECT:
-        return error(f"cannot connect to {where} ({name}, {s3.attempts} attempts of at most {s3.connect_timeout:g} "
-                     "s): check the endpoint URL (--endpoint-url / AWS_ENDPOINT_URL) and the network, or raise "
-                     "s3.connect_timeout (flashdraft prepare: --s3-connect-timeout)")  # fmt: skip
+        return error(
+            f"cannot connect to {where} ({name}, {s3.attempts} attempts of at most {s3.connect_timeout:g} "
+            "s): check the endpoint URL (--endpoint-url / AWS_ENDPOINT_URL) and the network, or raise "
+            "s3.connect_timeout (flashdraft prepare: --s3-connect-timeout)"
+        )
     if "Timeout" in name or isinstance(exc, TimeoutError):
-        return error(f"no answer from {where} within s3.read_timeout = {s3.read_timeout:g} s ({s3.attempts} "
-                     f"attempts, {name}): check that the endpoint is an S3 service that is up, or raise "
-                     "s3.read_timeout (flashdraft prepare: --s3-read-timeout)")  # fmt: skip
+        return error(
+            f"no answer from {where} within s3.read_timeout = {s3.read_timeout:g} s ({s3.attempts} "
+            f"attempts, {name}): check that the endpoint is an S3 service that is up, or raise "
+            "s3.read_timeout (flashdraft prepare: --s3-read-timeout)"
+        )
     return error(f"cannot read ({name}: {text})")
 
 
@@ -181,15 +185,23 @@ def resolve_sources(
         spec = os.path.expanduser(str(spec))
         shown = redact(spec)
         if _HAS_USERINFO.match(spec):
-            raise DataError("credentials inside the URL are not supported (they would end up in logs): use "
-                            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or a profile", reason="unreadable_file",
-                            source=shown, skippable=False)  # fmt: skip
+            raise DataError(
+                "credentials inside the URL are not supported (they would end up in logs): use "
+                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or a profile",
+                reason="unreadable_file",
+                source=shown,
+                skippable=False,
+            )
         protocol = spec.split("://", 1)[0] if "://" in spec else "file"
         try:
             fs, root = open_fs(spec, endpoint_url, s3)
         except ImportError as exc:
-            raise DataError(f"no filesystem for '{protocol}://' ({exc}); for S3 install s3fs (pip install s3fs)",
-                            reason="unreadable_file", source=shown, skippable=False) from None  # fmt: skip
+            raise DataError(
+                f"no filesystem for '{protocol}://' ({exc}); for S3 install s3fs (pip install s3fs)",
+                reason="unreadable_file",
+                source=shown,
+                skippable=False,
+            ) from None
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         try:
             infos = _expand(fs, root)
@@ -198,12 +210,22 @@ def resolve_sources(
         except Exception as exc:
             raise remote_error(exc, shown, s3, endpoint(endpoint_url)) from None
         if not infos:
-            raise DataError("matches no .jsonl, .jsonl.gz or .parquet file", reason="unreadable_file", source=shown,
-                            skippable=False)  # fmt: skip
+            raise DataError(
+                "matches no .jsonl, .jsonl.gz or .parquet file", reason="unreadable_file", source=shown, skippable=False
+            )
         for path, info in infos:
             size = int(info.get("size") or 0)
-            files.append(SourceFile(url=_display(protocol, path), path=path, kind=file_kind(path), size=size,
-                                    fingerprint=_fingerprint(info), fs=fs, s3=s3))  # fmt: skip
+            files.append(
+                SourceFile(
+                    url=_display(protocol, path),
+                    path=path,
+                    kind=file_kind(path),
+                    size=size,
+                    fingerprint=_fingerprint(info),
+                    fs=fs,
+                    s3=s3,
+                )
+            )
     return files
 
 
@@ -216,8 +238,9 @@ def _expand(fs, root: str) -> list[tuple[str, dict]]:
         found = fs.find(root, detail=True)
         return sorted((p, i) for p, i in found.items() if file_kind(p))
     if file_kind(root) is None:
-        raise DataError("unsupported file type: expected .jsonl, .jsonl.gz or .parquet", reason="unreadable_file",
-                        skippable=False)  # fmt: skip
+        raise DataError(
+            "unsupported file type: expected .jsonl, .jsonl.gz or .parquet", reason="unreadable_file", skippable=False
+        )
     return [(root, info)]
 
 
@@ -248,8 +271,11 @@ def iter_records(
             remote = is_remote_error(exc) or isinstance(exc, (FileNotFoundError, PermissionError))
             if remote or "credentials" in str(exc).lower():
                 raise remote_error(exc, f.url, f.s3, _fs_endpoint(f.fs)) from None
-            bad = DataError(f"unreadable or corrupt file ({type(exc).__name__}: {redact(str(exc))})",
-                            reason="unreadable_file", source=f.url)  # fmt: skip
+            bad = DataError(
+                f"unreadable or corrupt file ({type(exc).__name__}: {redact(str(exc))})",
+                reason="unreadable_file",
+                source=f.url,
+            )
         except Exception as exc:
             if is_remote_error(exc):
                 raise remote_error(exc, f.url, f.s3, _fs_endpoint(f.fs)) from None
@@ -273,8 +299,13 @@ def read_again_if_cut_off(read, attempts: int, what: str):
         except Exception as exc:
             if attempt == attempts or not {c.__name__ for c in type(exc).__mro__} & _CUT_OFF:
                 raise
-            logger.warning("%s: transfer cut off (%s), reading again (attempt %d of %d)", what,
-                           type(exc).__name__, attempt + 1, attempts)  # fmt: skip
+            logger.warning(
+                "%s: transfer cut off (%s), reading again (attempt %d of %d)",
+                what,
+                type(exc).__name__,
+                attempt + 1,
+                attempts,
+            )
             time.sleep(min(0.1 * 2**attempt, 5.0))
     raise AssertionError("unreachable")
 
@@ -331,8 +362,9 @@ def _iter_jsonl(f: SourceFile, report: DataReport, progress) -> Iterator[Record]
             try:
                 text = line.decode("utf-8")
             except UnicodeDecodeError as exc:
-                yield _bad(f, lineno, f"not valid UTF-8 (byte {exc.start}: {line[exc.start : exc.start + 1]!r})",
-                           "non_utf8")  # fmt: skip
+                yield _bad(
+                    f, lineno, f"not valid UTF-8 (byte {exc.start}: {line[exc.start : exc.start + 1]!r})", "non_utf8"
+                )
                 continue
             try:
                 data = json.loads(text)
@@ -378,8 +410,9 @@ def _iter_parquet(f: SourceFile, report: DataReport, progress) -> Iterator[Recor
         except Exception as exc:
             if is_remote_error(exc):
                 raise
-            raise DataError(f"not a readable Parquet file ({type(exc).__name__}: {exc})", reason="unreadable_file",
-                            source=f.url) from None  # fmt: skip
+            raise DataError(
+                f"not a readable Parquet file ({type(exc).__name__}: {exc})", reason="unreadable_file", source=f.url
+            ) from None
         meta = pf.metadata
         if meta.num_rows == 0:
             raise DataError("empty file (no rows)", reason="empty_file", source=f.url)

@@ -381,9 +381,12 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
         if kwargs.get("use_safetensors") is False:
             raise ValueError("DFlashDraftModel loads safetensors only; use_safetensors=False is not supported")
-        path = resolve_model_dir(pretrained_model_name_or_path, what="drafter",
-                                 local_files_only=kwargs.pop("local_files_only", None),
-                                 revision=kwargs.pop("revision", None))  # fmt: skip
+        path = resolve_model_dir(
+            pretrained_model_name_or_path,
+            what="drafter",
+            local_files_only=kwargs.pop("local_files_only", None),
+            revision=kwargs.pop("revision", None),
+        )
         if not any(path.glob("*.safetensors")):
             pickled = [name for name in _PICKLE_WEIGHTS if (path / name).exists()]
             if pickled:
@@ -404,8 +407,10 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             if "DFlash2DraftModel" in (getattr(config, "architectures", None) or []):
                 raise ValueError(f"{where}: a DFlash 2 drafter (DFlash2DraftModel), which flashdraft does not support")
             if draft_value(config, "block_size") is None and draft_value(config, "target_layer_ids") is None:
-                raise ValueError(f"{where}: not a DFlash drafter (no block_size, no dflash_config; architectures "
-                                 f"{getattr(config, 'architectures', None)}): is this the target?")  # fmt: skip
+                raise ValueError(
+                    f"{where}: not a DFlash drafter (no block_size, no dflash_config; architectures "
+                    f"{getattr(config, 'architectures', None)}): is this the target?"
+                )
             try:
                 validate_draft_config(config)
             except ValueError as err:

@@ -80,8 +80,10 @@ def fla_chunk_backward_problem() -> str:
         and not TRITON_ABOVE_3_7_1
         and importlib.util.find_spec("tilelang") is None
     ):
-        return ("fallback: fla refuses the gated chunk backward on Hopper with Triton < 3.7.1 (fla #640); "
-                "Triton >= 3.7.1 or tilelang lifts this")  # fmt: skip
+        return (
+            "fallback: fla refuses the gated chunk backward on Hopper with Triton < 3.7.1 (fla #640); "
+            "Triton >= 3.7.1 or tilelang lifts this"
+        )
     return ""
 
 
@@ -217,9 +219,17 @@ def make_backends(fallbacks: TorchFallbacks, conv_backend: str = "auto") -> dict
         return why
 
     def chunk_gated_delta_rule(
-        q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-        cu_seqlens=None, **_,
-    ):  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        cu_seqlens=None,
+        **_,
+    ):
         why = rule_reason(q)
         if not why and _needs_grad(q, k, v, g, beta, initial_state):
             why = fla_chunk_backward_problem()
@@ -227,22 +237,44 @@ def make_backends(fallbacks: TorchFallbacks, conv_backend: str = "auto") -> dict
         fn = fallbacks.chunk_rule if why else fla_chunk
         kwargs = {} if why else {"cu_seqlens": cu_seqlens}
         return fn(
-            q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            g=g,
+            beta=beta,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            **kwargs,
+        )
 
     def fused_recurrent_gated_delta_rule(
-        q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-        cu_seqlens=None, **_,
-    ):  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        cu_seqlens=None,
+        **_,
+    ):
         why = rule_reason(q)
         record.note(RECURRENT_RULE, TORCH if why else FLA, why)
         fn = fallbacks.recurrent_rule if why else fla_recurrent
         kwargs = {} if why else {"cu_seqlens": cu_seqlens}
         return fn(
-            q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            g=g,
+            beta=beta,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            **kwargs,
+        )
 
     backends = {
         CONV_FN: causal_conv1d_fn,

@@ -99,8 +99,12 @@ def _untested(dist: str, version: str) -> Check | None:
     """A warning when `version` is newer than the newest release flashdraft was tested with."""
     if versions.status(dist, version) != "untested":
         return None
-    return Check(dist, WARN, f"{dist} {version} is newer than the releases flashdraft was tested with",
-                 f"if something fails, pip install '{dist}{versions.supported_range(dist)}' (tested)")  # fmt: skip
+    return Check(
+        dist,
+        WARN,
+        f"{dist} {version} is newer than the releases flashdraft was tested with",
+        f"if something fails, pip install '{dist}{versions.supported_range(dist)}' (tested)",
+    )
 
 
 def check_torch() -> Check:
@@ -147,12 +151,19 @@ def check_triton() -> Check:
         w = torch.randn(64, 4, device="cuda")
         err = (causal_conv1d_fn(x, w, activation="silu") - causal_conv1d_ref(x, w, activation="silu")).abs().max()
         if not err < 1e-3:
-            return Check("triton", FAIL, f"triton {version}: our conv kernel compiled but is wrong (err {err:.2e})",
-                         "report this with `flashdraft doctor --json`")  # fmt: skip
+            return Check(
+                "triton",
+                FAIL,
+                f"triton {version}: our conv kernel compiled but is wrong (err {err:.2e})",
+                "report this with `flashdraft doctor --json`",
+            )
     except Exception as exc:
-        return Check("triton", FAIL, f"triton {version} cannot compile for this GPU: {type(exc).__name__}: {exc}",
-                     f"install the triton your torch was built with (pip install "
-                     f"'triton{versions.supported_range('triton')}')")  # fmt: skip
+        return Check(
+            "triton",
+            FAIL,
+            f"triton {version} cannot compile for this GPU: {type(exc).__name__}: {exc}",
+            f"install the triton your torch was built with (pip install 'triton{versions.supported_range('triton')}')",
+        )
     return Check("triton", OK, f"triton {version} compiles and runs flashdraft's causal_conv1d on this GPU")
 
 
@@ -182,8 +193,9 @@ def check_causal_conv1d() -> Check:
             OK,
             f"causal-conv1d {version} importable (optional; flashdraft's Triton conv is used by default)",
         )
-    nvcc = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
-                                     if os.environ.get("CUDA_HOME") else None)  # fmt: skip
+    nvcc = shutil.which("nvcc") or (
+        os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None
+    )
     problems = []
     if nvcc is None or not os.path.exists(nvcc):
         problems.append("no nvcc -> its setup.py fails with `NameError: name 'bare_metal_version' is not defined`")
@@ -265,14 +277,18 @@ def run_doctor(model_spec: str | None = None, probe_layers: int = 4, progress=No
 
     progress = progress or (lambda line: None)
     if model_spec is not None and model_spec not in _tiny_families() and not os.path.exists(model_spec):
-        raise FileNotFoundError(f"--model {model_spec!r}: not a tiny family ({', '.join(_tiny_families())}), "
-                                "config.json or model directory")  # fmt: skip
+        raise FileNotFoundError(
+            f"--model {model_spec!r}: not a tiny family ({', '.join(_tiny_families())}), config.json or model directory"
+        )
     steps = [
-        ("gpu", check_gpu), ("torch", check_torch), ("driver", check_driver),
+        ("gpu", check_gpu),
+        ("torch", check_torch),
+        ("driver", check_driver),
         ("triton (compiles flashdraft's conv on a GPU)", check_triton),
-        ("fla-core", check_fla), ("causal-conv1d", check_causal_conv1d),
+        ("fla-core", check_fla),
+        ("causal-conv1d", check_causal_conv1d),
         ("transformers", check_transformers),
-    ]  # fmt: skip
+    ]
     checks: list[Check] = []
     for label, fn in steps:
         progress(f"{label} ...")
@@ -297,8 +313,14 @@ def run_doctor(model_spec: str | None = None, probe_layers: int = 4, progress=No
             Check("probe", OK if report.ok else FAIL, report.summary(), "" if report.ok else _probe_fix(report))
         )
     except Exception as exc:
-        checks.append(Check("probe", FAIL, f"could not build or probe the model: {type(exc).__name__}: {exc}",
-                            "pass --model with a config.json or model directory of a supported family"))  # fmt: skip
+        checks.append(
+            Check(
+                "probe",
+                FAIL,
+                f"could not build or probe the model: {type(exc).__name__}: {exc}",
+                "pass --model with a config.json or model directory of a supported family",
+            )
+        )
     checks[-1].seconds = round(time.perf_counter() - start, 2)
     progress(f"probe: {checks[-1].seconds:.1f} s")
     ok = all(c.status != FAIL for c in checks)

@@ -95,10 +95,13 @@ class FastPathReport:
         d = asdict(self)
         d["ok"] = self.ok
         d["layers"] = [
-            {"index": layer.index, "fast": layer.fast, "ops": {op: asdict(use) | {"fast": use.fast}
-                                                               for op, use in layer.ops.items()}}
+            {
+                "index": layer.index,
+                "fast": layer.fast,
+                "ops": {op: asdict(use) | {"fast": use.fast} for op, use in layer.ops.items()},
+            }
             for layer in self.layers
-        ]  # fmt: skip
+        ]
         return d
 
     def table(self):
@@ -293,11 +296,18 @@ def _run(model: torch.nn.Module, device: torch.device, num_tokens: int) -> None:
     # Such a target also needs its (unused) masks given, or transformers builds a causal mask by asking the cache.
     positions = torch.arange(num_tokens + 1, device=device)
     masks = {} if _has_full_attention(model) else {"attention_mask": {"full_attention": None, "linear_attention": None}}
-    out = model(input_ids=ids, use_cache=True, cache_position=positions[:-1], position_ids=positions[None, :-1],
-                **masks)  # fmt: skip
+    out = model(
+        input_ids=ids, use_cache=True, cache_position=positions[:-1], position_ids=positions[None, :-1], **masks
+    )
     nxt = torch.randint(0, vocab, (1, 1), generator=generator).to(device)
-    model(input_ids=nxt, use_cache=True, cache_position=positions[-1:], position_ids=positions[None, -1:],
-          **cache_kwargs(returned_cache(out)), **masks)  # fmt: skip
+    model(
+        input_ids=nxt,
+        use_cache=True,
+        cache_position=positions[-1:],
+        position_ids=positions[None, -1:],
+        **cache_kwargs(returned_cache(out)),
+        **masks,
+    )
 
 
 def _has_full_attention(model: torch.nn.Module) -> bool:
@@ -306,8 +316,10 @@ def _has_full_attention(model: torch.nn.Module) -> bool:
     layer_types = getattr(config, "layer_types", None)
     if not layer_types:
         return True
-    kept = next((len(m) for name, m in model.named_modules() if name.endswith("layers")
-                 and isinstance(m, torch.nn.ModuleList)), len(layer_types))  # fmt: skip
+    kept = next(
+        (len(m) for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, torch.nn.ModuleList)),
+        len(layer_types),
+    )
     return "full_attention" in layer_types[:kept]
 
 

@@ -75,8 +75,9 @@ class Holder:
         data = json.loads(raw.decode("utf-8"))
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
-        holder = cls(**{k: data[k] for k in ("pid", "host", "command", "started", "token")},
-                     proc_start=data.get("proc_start"))  # fmt: skip
+        holder = cls(
+            **{k: data[k] for k in ("pid", "host", "command", "started", "token")}, proc_start=data.get("proc_start")
+        )
         if not (isinstance(holder.pid, int) and holder.pid > 0 and isinstance(holder.token, str)):
             raise ValueError(f"bad pid or token: {holder.pid!r}, {holder.token!r}")
         return holder
@@ -110,8 +111,9 @@ def read_holder(path: Path) -> tuple[Holder | None, float | None, bytes | None]:
 class OutputLock:
     """The lock file `path` held by this process (see the module docstring); `acquire`, `check`, `release`."""
 
-    def __init__(self, path: Path, command: str, *, heartbeat_s: float = HEARTBEAT_S,
-                 stale_after_s: float = STALE_AFTER_S) -> None:  # fmt: skip
+    def __init__(
+        self, path: Path, command: str, *, heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S
+    ) -> None:
         self.path = Path(path)
         self.command = command
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
@@ -125,8 +127,9 @@ class OutputLock:
         return self.path.parent
 
     def acquire(self) -> None:
-        me = Holder(os.getpid(), socket.gethostname(), self.command, time.time(), secrets.token_hex(8),
-                    _proc_start(os.getpid()))  # fmt: skip
+        me = Holder(
+            os.getpid(), socket.gethostname(), self.command, time.time(), secrets.token_hex(8), _proc_start(os.getpid())
+        )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         mine = self.path.with_name(f"{self.path.name}.{me.token}.tmp")
         with room_for(self.path.parent, 4096, f"the lock file {self.path}"):
@@ -157,8 +160,10 @@ class OutputLock:
         if self._lost is None and (holder is None or holder.token != self.holder.token):
             self._lost = holder.describe() if holder else ("nobody" if raw is None else "an unreadable record")
         if self._lost is not None:
-            raise OutputLockLost(f"{self.directory}: this run's lock ({self.path}) now names {self._lost}, which took "
-                                 "it over as stale: stopping before this run deletes or replaces anything there")  # fmt: skip
+            raise OutputLockLost(
+                f"{self.directory}: this run's lock ({self.path}) now names {self._lost}, which took "
+                "it over as stale: stopping before this run deletes or replaces anything there"
+            )
 
     def release(self) -> None:
         self._stop.set()
@@ -181,8 +186,10 @@ class OutputLock:
                 return f"process {holder.pid} no longer runs on {holder.host}"
             return None
         if age is not None and age > self.stale_after_s:
-            return (f"no heartbeat for {age:.0f} s (the limit is {self.stale_after_s:.0f} s; pid {holder.pid} on "
-                    f"{holder.host} cannot be checked from {socket.gethostname()})")  # fmt: skip
+            return (
+                f"no heartbeat for {age:.0f} s (the limit is {self.stale_after_s:.0f} s; pid {holder.pid} on "
+                f"{holder.host} cannot be checked from {socket.gethostname()})"
+            )
         return None
 
     def _take_over(self, mine: Path, raw: bytes, holder: Holder | None, why: str) -> bool:
@@ -206,10 +213,12 @@ class OutputLock:
 
     def _busy(self, holder: Holder | None, age: float | None, note: str = "") -> str:
         who = holder.describe(age) if holder is not None else f"a run whose lock record is unreadable ({self.path})"
-        return (f"{self.directory} is in use by another run: {who}{'; ' + note if note else ''}. Wait for it to end, "
-                f"or choose another output directory. (The lock is {self.path}; one left by a killed run is taken "
-                f"over: on this host once its process is gone, from another host after {self.stale_after_s:.0f} s "
-                "without a heartbeat.)")  # fmt: skip
+        return (
+            f"{self.directory} is in use by another run: {who}{'; ' + note if note else ''}. Wait for it to end, "
+            f"or choose another output directory. (The lock is {self.path}; one left by a killed run is taken "
+            f"over: on this host once its process is gone, from another host after {self.stale_after_s:.0f} s "
+            "without a heartbeat.)"
+        )
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
@@ -218,8 +227,11 @@ class OutputLock:
                 continue  # unreadable for a moment (a shared filesystem): look again at the next beat
             if holder is None or holder.token != self.holder.token:
                 self._lost = holder.describe() if holder is not None else "nobody (the file was removed)"
-                logger.error("%s: lost the lock: it now names %s; this run stops before it next deletes anything "
-                             "there", self.directory, self._lost)  # fmt: skip
+                logger.error(
+                    "%s: lost the lock: it now names %s; this run stops before it next deletes anything there",
+                    self.directory,
+                    self._lost,
+                )
                 return
             with contextlib.suppress(OSError):
                 os.utime(self.path)
@@ -272,8 +284,10 @@ def check_token(directory: str | os.PathLike, token: str | None, who: str) -> No
     holder, age, _ = read_holder(path)
     if holder is None or holder.token != token:
         seen = holder.describe(age) if holder is not None else "no lock"
-        raise OutputError(f"{who} sees {seen} at {path}, not rank 0's lock: the output directory must be one "
-                          "filesystem shared by every node (and no other run may use it)")  # fmt: skip
+        raise OutputError(
+            f"{who} sees {seen} at {path}, not rank 0's lock: the output directory must be one "
+            "filesystem shared by every node (and no other run may use it)"
+        )
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------------

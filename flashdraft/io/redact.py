@@ -21,8 +21,18 @@ _BARE_USERINFO = re.compile(r"[^\s/@\"':]+:[^\s/@\"']+@")  # "key:secret@bucket"
 
 # Word sequences that make a key secret wherever they appear in it, and last words that do at the end
 # (hf_token, wandb_api_key) but not in the middle (mask_token_id, linear_key_head_dim) or plural (max_tokens).
-_SECRET_WORDS = ("secret", "password", "passwd", "credential", "credentials", "api_key", "apikey", "access_key",
-                 "private_key", "auth_token")  # fmt: skip
+_SECRET_WORDS = (
+    "secret",
+    "password",
+    "passwd",
+    "credential",
+    "credentials",
+    "api_key",
+    "apikey",
+    "access_key",
+    "private_key",
+    "auth_token",
+)
 _SECRET_LAST_WORDS = ("key", "token")
 # Tokenizer special tokens are strings like "<|im_end|>", not credentials.
 _NOT_SECRET = ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token", "sep_token", "cls_token")

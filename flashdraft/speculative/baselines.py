@@ -60,8 +60,16 @@ def autoregressive_generate(
     engine: as in `generate` (by default the engine's captured decode step on a CUDA target it supports).
     """
     if use_engine(target, engine):
-        return engine_decode(target, input_ids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                             stop_token_ids=stop_token_ids, generator=generator)  # fmt: skip
+        return engine_decode(
+            target,
+            input_ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_token_ids=stop_token_ids,
+            generator=generator,
+        )
     return speculative_decode(
         target,
         input_ids,
@@ -99,9 +107,18 @@ def prompt_lookup_generate(
     if num_draft < 0:
         raise ValueError(f"num_draft must be >= 0, got {num_draft}")
     if use_engine(target, engine):
-        return engine_decode(target, input_ids, max_new_tokens, lookup=PromptLookupProposer(ngram_max),
-                             block_size=num_draft + 1, temperature=temperature, top_p=top_p, top_k=top_k,
-                             stop_token_ids=stop_token_ids, generator=generator)  # fmt: skip
+        return engine_decode(
+            target,
+            input_ids,
+            max_new_tokens,
+            lookup=PromptLookupProposer(ngram_max),
+            block_size=num_draft + 1,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_token_ids=stop_token_ids,
+            generator=generator,
+        )
     return speculative_decode(
         target,
         input_ids,

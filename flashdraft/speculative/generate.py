@@ -248,8 +248,9 @@ def use_engine(target: torch.nn.Module, engine: bool | None, drafter: torch.nn.M
     if reason is None and drafter is not None:
         target_dtype, drafter_dtype = next(target.parameters()).dtype, next(drafter.parameters()).dtype
         if drafter_dtype != target_dtype:
-            reason = (f"the drafter is {drafter_dtype} and the target {target_dtype} (cast the drafter to the "
-                      f"target's dtype)")  # fmt: skip
+            reason = (
+                f"the drafter is {drafter_dtype} and the target {target_dtype} (cast the drafter to the target's dtype)"
+            )
     if engine is None:
         return reason is None
     if reason is not None:
@@ -282,8 +283,7 @@ def generate(
     block_size = int(drafter.block_size if block_size is None else block_size)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    common = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
-                  generator=generator)  # fmt: skip
+    common = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator)
     if use_engine(target, engine, drafter if block_size > 1 else None):
         drafter = drafter if block_size > 1 else None
         return engine_session.engine_decode(

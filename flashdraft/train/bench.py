@@ -157,8 +157,12 @@ def machine() -> dict:
 
     import transformers
 
-    info = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version()}  # fmt: skip
+    info = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     try:
@@ -179,8 +183,10 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         mfu = f"{r['mfu'] * 100:5.1f}%" if r.get("mfu") is not None else "    -"
         peak = f"{r['peak_gib']:8.1f}" if r.get("peak_gib") is not None else "       -"
-        lines.append(f"{r['variant']:22s} {r['seq']:6d} {r['step_s']:7.3f} {r['tok_s']:8.0f} {mfu:>6s} {peak}  "
-                     + "  ".join(f"{r['phases_ms'][p]:11.1f}" for p in PHASES))  # fmt: skip
+        lines.append(
+            f"{r['variant']:22s} {r['seq']:6d} {r['step_s']:7.3f} {r['tok_s']:8.0f} {mfu:>6s} {peak}  "
+            + "  ".join(f"{r['phases_ms'][p]:11.1f}" for p in PHASES)
+        )
     return "\n".join(lines)
 
 
@@ -189,7 +195,8 @@ def load_bench_target(cfg):
     device = resolve_device(cfg.train.device, field="train.device")
     dtype = resolve_dtype(cfg.target.dtype, device)
     torch.manual_seed(cfg.train.seed)
-    target = build_target(cfg.target, layer_ids=captured_layer_ids(cfg), device=device, dtype=dtype,
-                          num_features=cfg.drafter.num_layers)  # fmt: skip
+    target = build_target(
+        cfg.target, layer_ids=captured_layer_ids(cfg), device=device, dtype=dtype, num_features=cfg.drafter.num_layers
+    )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(cfg), trust_remote_code=cfg.target.trust_remote_code)
     return target, tokenizer

@@ -218,9 +218,12 @@ class CheckpointManager:
     def _room(self, final: Path, needed: int):
         """Out of room while writing `final`: StorageFull naming the directory, the size, what is still intact."""
         previous = [p for _, p in reversed(self.checkpoints()) if p != final and (p / MANIFEST).is_file()]
-        hint = (f"Nothing of it was kept; the newest complete checkpoint, {previous[0]}, is intact: make room, then "
-                "continue with --resume" if previous else
-                "Nothing of it was kept (there is no earlier checkpoint): make room, then start again")  # fmt: skip
+        hint = (
+            f"Nothing of it was kept; the newest complete checkpoint, {previous[0]}, is intact: make room, then "
+            "continue with --resume"
+            if previous
+            else "Nothing of it was kept (there is no earlier checkpoint): make room, then start again"
+        )
         return room_for(self.root, needed, f"checkpoint {final.name}", hint)
 
     def _install(self, tmp: Path, final: Path) -> None:
@@ -399,10 +402,17 @@ def _load_state_dicts(path: Path, model: nn.Module, optimizer: torch.optim.Optim
     # module order); the state-dict API names them by their module path.
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     try:
-        optim = {"state": {names[i]: v for i, v in optim["state"].items()},
-                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]]}  # fmt: skip
-        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim,
-                       options=StateDictOptions(full_state_dict=True, strict=True))  # fmt: skip
+        optim = {
+            "state": {names[i]: v for i, v in optim["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]],
+        }
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=weights,
+            optim_state_dict=optim,
+            options=StateDictOptions(full_state_dict=True, strict=True),
+        )
     except (IndexError, KeyError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"{path}: weights or optimizer.pt do not fit the drafter: {exc}") from None
 
@@ -550,9 +560,11 @@ def _read_manifest(path: Path) -> tuple[dict, dict[str, tuple[int, str]]]:
     if type(version) is not int:
         raise CheckpointError(f"{manifest_path}: garbled: no format version (got {version!r})")
     if version != FORMAT_VERSION:
-        raise CheckpointFormatError(f"{manifest_path}: checkpoint format {version}, but this flashdraft reads format "
-                                    f"{FORMAT_VERSION}: resume with the flashdraft version that wrote it, or start "
-                                    "this run in a new output directory")  # fmt: skip
+        raise CheckpointFormatError(
+            f"{manifest_path}: checkpoint format {version}, but this flashdraft reads format "
+            f"{FORMAT_VERSION}: resume with the flashdraft version that wrote it, or start "
+            "this run in a new output directory"
+        )
     entries = {name: _entry(manifest_path, name, entry) for name, entry in manifest["files"].items()}
     missing = [name for name in REQUIRED_FILES if name not in entries and SHARDED_INSTEAD.get(name) not in entries]
     if missing:
@@ -576,8 +588,9 @@ def _entry(manifest_path: Path, name: Any, entry: Any) -> tuple[int, str]:
     if not parts or PurePosixPath(name).is_absolute() or ".." in parts or "\\" in name or name == MANIFEST:
         raise CheckpointError(f"{manifest_path}: {name!r} is not the name of a file inside the checkpoint")
     if name not in REQUIRED_FILES and not name.startswith(KNOWN_DIRS):
-        raise CheckpointError(f"{manifest_path}: lists {name}, which is no part of a format-{FORMAT_VERSION} "
-                              "checkpoint")  # fmt: skip
+        raise CheckpointError(
+            f"{manifest_path}: lists {name}, which is no part of a format-{FORMAT_VERSION} checkpoint"
+        )
     size = entry.get("size") if isinstance(entry, dict) else None
     digest = entry.get("sha256") if isinstance(entry, dict) else None
     if type(size) is not int or size < 0 or not isinstance(digest, str) or not _SHA256.match(digest):
@@ -637,8 +650,12 @@ def _estimate_bytes(drafter: nn.Module, optimizer: torch.optim.Optimizer, weight
     """About the size of a checkpoint: the weights (in their dtype) and the optimizer's tensors, plus a margin.
     Sharded (DTensor) tensors count their global size."""
     weights = sum(t.numel() * t.element_size() for t in _unwrap(drafter).state_dict().values())
-    moments = sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
-                  if isinstance(v, torch.Tensor))  # fmt: skip
+    moments = sum(
+        v.numel() * v.element_size()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
     return weights * (2 if weights_twice else 1) + moments + _OVERHEAD
 
 
@@ -655,4 +672,3 @@ def _hash_files(root: Path, names: list[str]) -> dict[str, dict]:
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(names)))) as pool:
         digests = list(pool.map(lambda name: _sha256(root / name), names))
     return {name: {"size": (root / name).stat().st_size, "sha256": d} for name, d in zip(names, digests, strict=True)}
-

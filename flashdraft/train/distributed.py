@@ -97,8 +97,10 @@ def session(device: str = "auto", command: str = "train", output: str | os.PathL
         if not torch.cuda.is_available():
             raise ValueError("train.device = cuda, but no CUDA device is available (use auto or cpu)")
         if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): start "
-                             "at most one process per GPU (--nproc / --nproc-per-node), or set train.device=cpu")  # fmt: skip
+            raise ValueError(
+                f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): start "
+                "at most one process per GPU (--nproc / --nproc-per-node), or set train.device=cpu"
+            )
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     else:
@@ -198,8 +200,11 @@ class _ErrorWatch:
             if self.failed or self._stop.is_set():
                 return
             if self.world.is_main:
-                print(f"flashdraft {self.command}: stopping every rank: rank {rank} failed: {message}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"flashdraft {self.command}: stopping every rank: rank {rank} failed: {message}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             sys.stdout.flush()
             os._exit(EXIT_PEER_FAILED)
 
@@ -339,8 +344,13 @@ def shard_target(model: torch.nn.Module, device: torch.device) -> None:
     params = [p for layer in layers for p in layer.parameters()]
     local = sum(p.to_local().numel() * p.element_size() for p in params)
     full = sum(p.numel() * p.element_size() for p in params)
-    logger.info("target: %d decoder layers sharded over %d ranks: %.1f of %.1f MiB of their weights per rank",
-                len(layers), world().size, local / 2**20, full / 2**20)  # fmt: skip
+    logger.info(
+        "target: %d decoder layers sharded over %d ranks: %.1f of %.1f MiB of their weights per rank",
+        len(layers),
+        world().size,
+        local / 2**20,
+        full / 2**20,
+    )
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -382,6 +392,14 @@ def launch(nproc: int, argv: list[str]) -> int:
     if nproc < 1:
         raise ValueError(f"--nproc {nproc}: must be >= 1")
     env = {**NCCL_ENV, **os.environ}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "flashdraft", *argv]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "flashdraft",
+        *argv,
+    ]
     return subprocess.call(cmd, env=env)

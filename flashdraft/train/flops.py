@@ -122,8 +122,10 @@ def describe(device: torch.device, peak: Peak | None) -> str | None:
         return None
     name = torch.cuda.get_device_name(device)
     if peak is None:
-        return (f"MFU: unknown on {name} (not in flashdraft's table of GPUs); set train.peak_tflops to its dense "
-                "bf16 TFLOP/s to report it")  # fmt: skip
+        return (
+            f"MFU: unknown on {name} (not in flashdraft's table of GPUs); set train.peak_tflops to its dense "
+            "bf16 TFLOP/s to report it"
+        )
     return f"MFU against {peak.source} ({name})"
 
 
@@ -139,5 +141,9 @@ def step_flops(s, seq_tokens: int, labelled: int) -> float:
     drafter_params = sum(p.numel() for p in s.drafter.parameters()) - fc_params
     vocab, width = s.target.lm_head_weight.shape
     blocks_tokens = labelled * s.drafter.block_size / max(1, s.drafter.block_size - 1)
-    return (2 * target_params * seq_tokens + 6 * drafter_params * blocks_tokens + 6 * fc_params * seq_tokens
-            + 4 * vocab * width * labelled)  # fmt: skip
+    return (
+        2 * target_params * seq_tokens
+        + 6 * drafter_params * blocks_tokens
+        + 6 * fc_params * seq_tokens
+        + 4 * vocab * width * labelled
+    )

@@ -72,17 +72,26 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
     checkpoints = CheckpointManager(out, keep=cfg.log.keep_checkpoints)
     start, latest = 0, None
     if restart:
-        logger.warning("--resume: %s holds this run's config but no checkpoint yet (it stopped before the first); "
-                       "starting from step 0, the steps it logged are dropped", out)  # fmt: skip
+        logger.warning(
+            "--resume: %s holds this run's config but no checkpoint yet (it stopped before the first); "
+            "starting from step 0, the steps it logged are dropped",
+            out,
+        )
     elif resume:
         latest = checkpoints.latest()
         if latest is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint in {out / 'checkpoints'}")
         start = checkpoints.load(latest, s.drafter, optimizer, scheduler)["step"]
         logger.info("resumed from %s (step %d)", latest, start)
-    metrics = MetricsLogger(out, total_steps=s.total_steps, trackers=cfg.log.trackers, config=to_dict(cfg),
-                            console=console, resume_from_step=start if resume else None,
-                            enabled=distributed.world().is_main)  # fmt: skip
+    metrics = MetricsLogger(
+        out,
+        total_steps=s.total_steps,
+        trackers=cfg.log.trackers,
+        config=to_dict(cfg),
+        console=console,
+        resume_from_step=start if resume else None,
+        enabled=distributed.world().is_main,
+    )
     # The checkpoint resumed from, not a second latest(): that would hash every checkpoint again and repeat the
     # warning about each damaged one it skips.
     last_ckpt, timer = latest, _Timer(s.device)
@@ -97,9 +106,11 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
             stats, tokens, finite = train_step(s, cfg, optimizer, step)
             if not finite:
                 if cfg.train.on_nonfinite == "stop":
-                    raise TrainingError(f"non-finite loss or gradient at step {step + 1}; nothing of it was applied. "
-                                        f"Last good checkpoint: {last_ckpt or 'none'} (resume with --resume, or set "
-                                        "train.on_nonfinite=skip)")  # fmt: skip
+                    raise TrainingError(
+                        f"non-finite loss or gradient at step {step + 1}; nothing of it was applied. "
+                        f"Last good checkpoint: {last_ckpt or 'none'} (resume with --resume, or set "
+                        "train.on_nonfinite=skip)"
+                    )
                 skipped += 1
                 logger.warning("step %d: non-finite loss or gradient, update skipped (%d so far)", step + 1, skipped)
             scheduler.step()
@@ -120,8 +131,13 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
                 last_ckpt = checkpoints.save(done, s.drafter, optimizer, scheduler, {"step": done})
             if halt:
                 stopped_by = stop.signal_name or "another rank's signal"
-                logger.warning("%s: stopped after step %d of %d; checkpoint %s (continue with --resume)",
-                               stopped_by, done, s.total_steps, last_ckpt)  # fmt: skip
+                logger.warning(
+                    "%s: stopped after step %d of %d; checkpoint %s (continue with --resume)",
+                    stopped_by,
+                    done,
+                    s.total_steps,
+                    last_ckpt,
+                )
                 break
     metrics.close()
     if stopped_by is not None:
@@ -147,18 +163,22 @@ def restart_without_checkpoint(out: Path, cfg: RunConfig) -> bool:
         return False
     saved = out / "config.json"
     if not saved.is_file():
-        raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'} and no run started in {out} "
-                                "(nothing to resume)")  # fmt: skip
+        raise FileNotFoundError(
+            f"--resume: no checkpoint in {out / 'checkpoints'} and no run started in {out} (nothing to resume)"
+        )
     try:
         before = json.loads(saved.read_text())
     except (OSError, ValueError) as exc:
-        raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'}, and {saved} is unreadable "
-                                f"({exc})") from None  # fmt: skip
+        raise FileNotFoundError(
+            f"--resume: no checkpoint in {out / 'checkpoints'}, and {saved} is unreadable ({exc})"
+        ) from None
     difference = _first_difference(json.loads(json.dumps(to_dict(cfg))), before)
     if difference is not None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'}, and {saved} is another run's "
-                                f"config ({difference}): give this run another --out, or drop --resume to start it "
-                                "over there")  # fmt: skip
+        raise FileNotFoundError(
+            f"--resume: no checkpoint in {out / 'checkpoints'}, and {saved} is another run's "
+            f"config ({difference}): give this run another --out, or drop --resume to start it "
+            "over there"
+        )
     return True
 
 
@@ -168,8 +188,10 @@ def _first_difference(now, before, prefix: str = "") -> str | None:
         for key in dict.fromkeys([*now, *before]):
             name = f"{prefix}.{key}" if prefix else str(key)
             if key not in now or key not in before:
-                return (f"{name}: {repr(now[key]) if key in now else 'missing'} now, "
-                        f"{repr(before[key]) if key in before else 'missing'} there")  # fmt: skip
+                return (
+                    f"{name}: {repr(now[key]) if key in now else 'missing'} now, "
+                    f"{repr(before[key]) if key in before else 'missing'} there"
+                )
             if (found := _first_difference(now[key], before[key], name)) is not None:
                 return found
         return None
@@ -219,8 +241,14 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
                 target_hidden=features,
             )
         mark("drafter_fwd")
-        loss, stats = dflash_loss(hidden, s.target.lm_head_weight, batch.labels, batch.weights,
-                                  block_size=batch.block_size, denominator=denominator)  # fmt: skip
+        loss, stats = dflash_loss(
+            hidden,
+            s.target.lm_head_weight,
+            batch.labels,
+            batch.weights,
+            block_size=batch.block_size,
+            denominator=denominator,
+        )
         mark("loss")
         loss.backward()
         mark("drafter_bwd")

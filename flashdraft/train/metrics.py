@@ -47,7 +47,6 @@ from flashdraft.train.trackers import Tracker, check_trackers, open_tracker
 logger = logging.getLogger(__name__)
 
 
-
 class MetricsLogger:
     """Writes metrics of rank 0 (`enabled=False` elsewhere: then every method does nothing)."""
 
@@ -97,8 +96,9 @@ class MetricsLogger:
         self._file.flush()
         os.fsync(self._file.fileno())
         self.latest = values
-        self.console.print(format_line(step, values, total_steps=self.total_steps), markup=False, highlight=False,
-                           soft_wrap=True)  # fmt: skip
+        self.console.print(
+            format_line(step, values, total_steps=self.total_steps), markup=False, highlight=False, soft_wrap=True
+        )
         if self._progress is not None:
             self._progress.update(self._task, stats=_bar_stats(values))
         scalars = _flatten_scalars(values)
@@ -303,5 +303,3 @@ def _prepare_jsonl(path: Path, resume_from_step: int | None) -> None:
     else:
         kept = [r for r in read_metrics(path) if r["step"] <= resume_from_step]
     atomic_write_text(path, "".join(json.dumps(r, allow_nan=False) + "\n" for r in kept))
-
-

@@ -43,8 +43,11 @@ def draw_training_curve(
     try:
         return plot_training_curve(metrics_jsonl, out_png, final_tau)
     except ImportError:
-        logger.warning("training curve not drawn: matplotlib is not installed (%s to get it; every value is in %s)",
-                       PLOT_EXTRA, metrics_jsonl)  # fmt: skip
+        logger.warning(
+            "training curve not drawn: matplotlib is not installed (%s to get it; every value is in %s)",
+            PLOT_EXTRA,
+            metrics_jsonl,
+        )
         return None
 
 
@@ -106,15 +109,22 @@ def plot_training_curve(
     ax.tick_params(axis="y", labelcolor="tab:blue")
     ax.grid(alpha=0.3)
     if real:
-        lines += tau_ax.plot(real_steps, real, color="tab:red", marker="s", markersize=5, linestyle="--",
-                             label="measured tau (decoding)")  # fmt: skip
+        lines += tau_ax.plot(
+            real_steps, real, color="tab:red", marker="s", markersize=5, linestyle="--", label="measured tau (decoding)"
+        )
     tau_ax.set_ylabel("acceptance length (tau)", color="tab:orange")
     tau_ax.tick_params(axis="y", labelcolor="tab:orange")
     # Below the axes: inside, it would cover one of the two curves.
     fig.legend(lines, [line.get_label() for line in lines], loc="outside lower center", ncols=len(lines))
     if reach:
-        ax.text(0.01, 0.01, f"faint: each log window; bold: mean of {2 * reach + 1} windows", transform=ax.transAxes,
-                fontsize=7, color="dimgray")  # fmt: skip
+        ax.text(
+            0.01,
+            0.01,
+            f"faint: each log window; bold: mean of {2 * reach + 1} windows",
+            transform=ax.transAxes,
+            fontsize=7,
+            color="dimgray",
+        )
     if final_tau is not None and math.isfinite(final_tau):
         summary.append(f"measured tau {final_tau:.2f}")
     last = max(loss_steps[-1:] + tau_steps[-1:])

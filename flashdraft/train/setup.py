@@ -69,8 +69,10 @@ def setup(cfg: RunConfig, out: Path, console) -> Setup:
     per_step = cfg.train.batch_size * cfg.train.grad_accum * distributed.world().size
     steps_per_epoch = len(data) // per_step
     if steps_per_epoch == 0:
-        raise ValueError(f"data: {len(data)} samples, fewer than one step needs (train.batch_size x train.grad_accum "
-                         f"x {distributed.world().size} processes = {per_step})")  # fmt: skip
+        raise ValueError(
+            f"data: {len(data)} samples, fewer than one step needs (train.batch_size x train.grad_accum "
+            f"x {distributed.world().size} processes = {per_step})"
+        )
     total = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps is not None:
         total = min(total, cfg.train.max_steps)
@@ -99,8 +101,9 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
         features = FeatureStore(cfg.data.features, device=device, s3=cfg.s3)
         target = features.head_target(layer_ids)
     else:
-        target = build_target(cfg.target, layer_ids=layer_ids, device=load_on, dtype=dtype,
-                              num_features=cfg.drafter.num_layers)  # fmt: skip
+        target = build_target(
+            cfg.target, layer_ids=layer_ids, device=load_on, dtype=dtype, num_features=cfg.drafter.num_layers
+        )
         if cfg.target.shard:
             distributed.shard_target(target.model, device)
         target.configure(cfg.target)
@@ -109,12 +112,20 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
     # Rank 0 tokenises (or finds the shards already there); the others then reuse its shards.
     with distributed.main_first():
         prepared = prepare_shards(
-            PrepareConfig(data=sources, tokenizer=tokenizer_path(cfg), out=cfg.data.shards or str(out / "shards"),
-                          format=FormatConfig(format=cfg.data.format, drop_thinking=cfg.data.drop_thinking),
-                          max_length=cfg.data.max_length, overlong=cfg.data.overlong, skip_bad=cfg.data.skip_bad,
-                          s3=cfg.s3, progress=(console or get_console()).is_terminal),  # a bar in a log file: a torn line
-            tokenizer=tokenizer, console=console,
-        )  # fmt: skip
+            PrepareConfig(
+                data=sources,
+                tokenizer=tokenizer_path(cfg),
+                out=cfg.data.shards or str(out / "shards"),
+                format=FormatConfig(format=cfg.data.format, drop_thinking=cfg.data.drop_thinking),
+                max_length=cfg.data.max_length,
+                overlong=cfg.data.overlong,
+                skip_bad=cfg.data.skip_bad,
+                s3=cfg.s3,
+                progress=(console or get_console()).is_terminal,
+            ),  # a bar in a log file: a torn line
+            tokenizer=tokenizer,
+            console=console,
+        )
     data = TokenizedDataset(prepared.path)
     if features is not None:
         features.check_data(data)
@@ -150,21 +161,31 @@ def build_drafter(cfg: RunConfig, target: FrozenTarget | HeadTarget, tokenizer) 
     if cfg.drafter.init_from:
         source = _init_from_dir(cfg)
         drafter = DFlashDraftModel.from_pretrained(source)
-        for name, want, got in (("block_size", cfg.drafter.block_size, drafter.block_size),
-                                ("num_layers", cfg.drafter.num_layers, len(drafter.layers))):  # fmt: skip
+        for name, want, got in (
+            ("block_size", cfg.drafter.block_size, drafter.block_size),
+            ("num_layers", cfg.drafter.num_layers, len(drafter.layers)),
+        ):
             if want != got:
-                raise ValueError(f"drafter.{name} = {want}, but the drafter of drafter.init_from ({source}) was "
-                                 f"trained with {got}: set drafter.{name}: {got}, or drafter.init_from: null")  # fmt: skip
+                raise ValueError(
+                    f"drafter.{name} = {want}, but the drafter of drafter.init_from ({source}) was "
+                    f"trained with {got}: set drafter.{name}: {got}, or drafter.init_from: null"
+                )
         if list(drafter.target_layer_ids) != list(target.target_layer_ids):
-            raise ValueError(f"drafter.init_from: its target_layer_ids {drafter.target_layer_ids} differ from the "
-                             f"target's captured layers {target.target_layer_ids}")  # fmt: skip
+            raise ValueError(
+                f"drafter.init_from: its target_layer_ids {drafter.target_layer_ids} differ from the "
+                f"target's captured layers {target.target_layer_ids}"
+            )
         return drafter.float()
     torch.manual_seed(cfg.train.seed)
     return DFlashDraftModel.from_target(
-        target.config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
-        target_layer_ids=target.target_layer_ids, mask_token_id=cfg.drafter.mask_token_id, tokenizer=tokenizer,
+        target.config,
+        num_layers=cfg.drafter.num_layers,
+        block_size=cfg.drafter.block_size,
+        target_layer_ids=target.target_layer_ids,
+        mask_token_id=cfg.drafter.mask_token_id,
+        tokenizer=tokenizer,
         **cfg.drafter.overrides,
-    ).float()  # fmt: skip
+    ).float()
 
 
 # ---- data order and collation -------------------------------------------------------------------------------------
@@ -209,8 +230,10 @@ def collate(data: Samples, indices: list[int], device: torch.device):
 def pad_positions(t: torch.Tensor, width: int) -> torch.Tensor:
     """(B, T, ...) right-padded with zeros to (B, width, ...): a static shape for the compiled drafter."""
     if t.shape[1] > width:
-        raise ValueError(f"a micro-batch of {t.shape[1]} positions is longer than data.max_length = {width}: prepare "
-                         "the data with this max_length, or set train.static_shapes=false")  # fmt: skip
+        raise ValueError(
+            f"a micro-batch of {t.shape[1]} positions is longer than data.max_length = {width}: prepare "
+            "the data with this max_length, or set train.static_shapes=false"
+        )
     pad = [0, 0] * (t.ndim - 2) + [0, width - t.shape[1]]
     return torch.nn.functional.pad(t, pad)
 
@@ -225,11 +248,10 @@ def step_blocks(
             cfg.recipe.num_anchors,
             s.drafter.block_size,
             anchor_generator(cfg.train.seed, epoch, index),
-        )  # fmt: skip
+        )
         for row, index in enumerate(indices)
     ]
     num_blocks = None
     if width is not None:
         ids, mask, num_blocks = pad_positions(ids, width), pad_positions(mask, width), cfg.recipe.num_anchors
-    return build_blocks(ids, mask, anchors, s.drafter.block_size, s.drafter.mask_token_id, cfg.recipe.gamma,
-                        num_blocks)  # fmt: skip
+    return build_blocks(ids, mask, anchors, s.drafter.block_size, s.drafter.mask_token_id, cfg.recipe.gamma, num_blocks)

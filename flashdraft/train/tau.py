@@ -46,8 +46,9 @@ def measure_tau(
     if prompts_path is None:
         return None
     if s.full_target is None:
-        s.full_target = load_model(cfg.target.path, dtype=s.target.dtype, device=s.device,
-                                   trust_remote_code=cfg.target.trust_remote_code)  # fmt: skip
+        s.full_target = load_model(
+            cfg.target.path, dtype=s.target.dtype, device=s.device, trust_remote_code=cfg.target.trust_remote_code
+        )
     full = s.full_target
     drafter = (drafter or s.drafter).eval()
     decoder, precision = drafter, autocast(s.device)

@@ -29,8 +29,9 @@ def check_trackers(names: list[str] | tuple[str, ...], installed: bool = True) -
     for name in names if installed else ():
         package = _TRACKER_CLASSES[name][1]
         if not _installed(package):
-            raise ValueError(f"log.trackers: {name!r} is not installed: pip install {package} (or remove {name!r} "
-                             "from log.trackers)")  # fmt: skip
+            raise ValueError(
+                f"log.trackers: {name!r} is not installed: pip install {package} (or remove {name!r} from log.trackers)"
+            )
 
 
 def _installed(package: str) -> bool:

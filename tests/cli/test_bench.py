@@ -9,8 +9,22 @@ from flashdraft import cli
 
 def test_cli_bench_train_step_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    code = cli.main(["bench", "train-step", "--warmup", "0", "--steps", "1", "--seq", "40", "--json", str(out),
-                     "recipe.num_anchors=4", "train.batch_size=1"])  # fmt: skip
+    code = cli.main(
+        [
+            "bench",
+            "train-step",
+            "--warmup",
+            "0",
+            "--steps",
+            "1",
+            "--seq",
+            "40",
+            "--json",
+            str(out),
+            "recipe.num_anchors=4",
+            "train.batch_size=1",
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "FLOPs per step" in printed and "flashdraft" in printed and "drafter_bwd" in printed

@@ -49,14 +49,35 @@ def test_eval_end_to_end(models, tmp_path, capsys):
     )
     out_json, out_png = tmp_path / "eval.json", tmp_path / "eval.png"
     args = _args(
-        "--target", str(models / "target"), "--drafter", str(models / "drafter"), "--prompts", str(prompts),
-        "--max-new-tokens", "12", "--json", str(out_json), "--plot", str(out_png), "--device", "cpu",
-        "--ignore-eos", "--no-progress",
-    )  # fmt: skip
+        "--target",
+        str(models / "target"),
+        "--drafter",
+        str(models / "drafter"),
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "12",
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+        "--device",
+        "cpu",
+        "--ignore-eos",
+        "--no-progress",
+    )
     assert args.run(args) == 0
     report = json.loads(out_json.read_text())
-    for key in ("tau", "speedup", "prompt_lookup_tau", "per_category", "per_position_acceptance",
-                "acceptance_length_p95", "tokens_per_second", "acceptance_length_histogram"):  # fmt: skip
+    for key in (
+        "tau",
+        "speedup",
+        "prompt_lookup_tau",
+        "per_category",
+        "per_position_acceptance",
+        "acceptance_length_p95",
+        "tokens_per_second",
+        "acceptance_length_histogram",
+    ):
         assert key in report, key
     assert report["num_prompts"] == 4 and report["block_size"] == 4
     assert set(report["per_category"]) == {"chat", "text", "all"}
@@ -128,9 +149,22 @@ def test_eval_limit_and_stop_tokens(models, tmp_path):
     prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": f"the {w} sat"}) for w in WORDS[:5]])
     out_json = tmp_path / "r.json"
     args = _args(
-        "--target", str(models / "target"), "--drafter", str(models / "drafter"), "--prompts", str(prompts),
-        "--max-new-tokens", "6", "--limit", "2", "--json", str(out_json), "--no-progress", "--block-size", "3",
-    )  # fmt: skip
+        "--target",
+        str(models / "target"),
+        "--drafter",
+        str(models / "drafter"),
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "6",
+        "--limit",
+        "2",
+        "--json",
+        str(out_json),
+        "--no-progress",
+        "--block-size",
+        "3",
+    )
     assert args.run(args) == 0
     report = json.loads(out_json.read_text())
     assert report["num_prompts"] == 2 and report["block_size"] == 3
@@ -144,9 +178,19 @@ def test_eval_hybrid_target_enables_the_fast_path(tmp_path, capsys):
     prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "the cat sat on the mat and the dog"})])
     out_json = tmp_path / "r.json"
     args = _args(
-        "--target", str(root / "target"), "--drafter", str(root / "drafter"), "--prompts", str(prompts),
-        "--max-new-tokens", "10", "--json", str(out_json), "--no-progress", "--ignore-eos",
-    )  # fmt: skip
+        "--target",
+        str(root / "target"),
+        "--drafter",
+        str(root / "drafter"),
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "10",
+        "--json",
+        str(out_json),
+        "--no-progress",
+        "--ignore-eos",
+    )
     try:
         assert args.run(args) == 0
     finally:  # enable() patched the modeling module; give other tests transformers' own state back
@@ -164,10 +208,23 @@ def test_eval_with_the_engine_reports_the_implied_ceiling(models, tmp_path, caps
     for engine in ("on", "off"):
         out_json = tmp_path / f"{engine}.json"
         args = _args(
-            "--target", str(models / "target"), "--drafter", str(models / "drafter"), "--prompts", str(prompts),
-            "--max-new-tokens", "10", "--json", str(out_json), "--no-progress", "--ignore-eos", "--device", "cpu",
-            "--engine", engine,
-        )  # fmt: skip
+            "--target",
+            str(models / "target"),
+            "--drafter",
+            str(models / "drafter"),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "10",
+            "--json",
+            str(out_json),
+            "--no-progress",
+            "--ignore-eos",
+            "--device",
+            "cpu",
+            "--engine",
+            engine,
+        )
         assert args.run(args) == 0
         reports[engine] = json.loads(out_json.read_text())
     on = reports["on"]
@@ -223,8 +280,19 @@ def test_plot_without_matplotlib_is_refused_before_the_models_load(capsys, tmp_p
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     # Models that do not exist: had the check come after loading them, the error would name them instead.
-    code = cli.main(["eval", "--target", str(tmp_path / "no-target"), "--drafter", str(tmp_path / "no-drafter"),
-                     "--prompts", str(prompts), "--plot", str(tmp_path / "eval.png")])  # fmt: skip
+    code = cli.main(
+        [
+            "eval",
+            "--target",
+            str(tmp_path / "no-target"),
+            "--drafter",
+            str(tmp_path / "no-drafter"),
+            "--prompts",
+            str(prompts),
+            "--plot",
+            str(tmp_path / "eval.png"),
+        ]
+    )
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "flashdraft eval: error: --plot needs matplotlib: pip install 'flashdraft[plot]', or leave out --plot"

@@ -18,8 +18,13 @@ FLA_CPU_WARNING = "Triton is not supported on current platform"
 def piped_run_without_matplotlib(tmp_path_factory, env_without):
     """`python -m flashdraft train --out OUT ... > file` in an environment without matplotlib."""
     out = tmp_path_factory.mktemp("piped") / "run"
-    run = subprocess.run([sys.executable, "-m", "flashdraft", "train", "--out", str(out), *QUICK],
-                         capture_output=True, text=True, timeout=900, env=env_without("matplotlib"))  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "flashdraft", "train", "--out", str(out), *QUICK],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env_without("matplotlib"),
+    )
     return run, out
 
 

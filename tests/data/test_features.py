@@ -18,8 +18,14 @@ from tests.data.conftest import moto_server, no_aws, s3  # noqa: F401 (the moto 
 
 ROOT = Path(__file__).resolve().parents[1]
 # batch_size 1: the online trainer then captures each sequence alone, exactly as the features command does.
-RUN = ["train.max_steps=3", "log.every=1", "log.checkpoint_every=3", "data.eval_prompts=null", "train.batch_size=1",
-       "train.device=cpu"]
+RUN = [
+    "train.max_steps=3",
+    "log.every=1",
+    "log.checkpoint_every=3",
+    "data.eval_prompts=null",
+    "train.batch_size=1",
+    "train.device=cpu",
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +63,13 @@ def test_features_are_what_the_target_captures(features, data):
     _, _, target, dataset, _ = load_inputs(cfg, root / "run", None, offline=False)
     store = FeatureStore(str(root / "features"))
     index = json.loads((root / "features" / "features.json").read_text())
-    assert result.samples == len(dataset) == index["num_samples"] and index["target_layer_ids"] == [1, 2, 3, 4, 5]  # the shipped drafter's
+    assert result.samples == len(dataset) == index["num_samples"] and index["target_layer_ids"] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]  # the shipped drafter's
     for i in (0, 7, len(dataset) - 1):
         ids = torch.tensor(dataset[i][0], dtype=torch.long)[None]
         expected = target.capture(ids, torch.ones_like(ids))[0]
@@ -84,8 +96,19 @@ def test_offline_training_gives_the_online_losses(features, data, tmp_path):
 def test_two_ranks_write_the_features_of_one(features, data, tmp_path):
     root, _ = features
     out = tmp_path / "two"
-    cmd = [sys.executable, "-m", "flashdraft", "features", "--nproc", "2", "--out", str(out), *RUN,
-           f"data.train=[{data}]", f"log.out={tmp_path / 'run'}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "flashdraft",
+        "features",
+        "--nproc",
+        "2",
+        "--out",
+        str(out),
+        *RUN,
+        f"data.train=[{data}]",
+        f"log.out={tmp_path / 'run'}",
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("done:") == 1
@@ -98,8 +121,11 @@ def test_two_ranks_write_the_features_of_one(features, data, tmp_path):
 def _env():
     import os
 
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1"}  # fmt: skip
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def test_features_on_s3(features, data, s3, tmp_path):  # noqa: F811 (the fixture)
@@ -116,11 +142,16 @@ def test_features_on_s3(features, data, s3, tmp_path):  # noqa: F811 (the fixtur
             assert torch.equal(remote.sample(i), local.sample(i))
         batch = remote.batch([2, 5], 400)  # longer than any sample (data.max_length 320): padded
         assert batch.shape == (2, 400, local.width)
-        assert torch.equal(batch[1, : len(local.sample(5))], local.sample(5)) and not batch[1, len(local.sample(5)) :].any()
+        assert (
+            torch.equal(batch[1, : len(local.sample(5))], local.sample(5))
+            and not batch[1, len(local.sample(5)) :].any()
+        )
 
 
 def test_missing_features_are_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"data.features = .*nope: no features.json there .*flashdraft features"):
+    with pytest.raises(
+        FileNotFoundError, match=r"data.features = .*nope: no features.json there .*flashdraft features"
+    ):
         FeatureStore(str(tmp_path / "nope"))
 
 

@@ -22,8 +22,13 @@ def test_single_turn_loss_on_assistant_only(tokenizer, loss_runs, make_chat):
 
 
 def test_multi_turn_with_system_prompt(tokenizer, loss_runs, make_chat):
-    rec = make_chat(("system", SYSTEM), ("user", "Hi"), ("assistant", "Hello there!"),
-                    ("user", "What is two plus two?"), ("assistant", "Two plus two is four."))  # fmt: skip
+    rec = make_chat(
+        ("system", SYSTEM),
+        ("user", "Hi"),
+        ("assistant", "Hello there!"),
+        ("user", "What is two plus two?"),
+        ("assistant", "Two plus two is four."),
+    )
     sample = Encoder(tokenizer).encode(rec)
     assert loss_runs(sample) == ["Hello there!<|im_end|>", "Two plus two is four.<|im_end|>"]
     assert tokenizer.decode(sample.input_ids) == tokenizer.apply_chat_template(rec["messages"], tokenize=False)
@@ -39,13 +44,14 @@ def test_mask_matches_transformers_generation_mask(generation_tokenizer, make_ch
             ("assistant", "Hello"),
             ("user", "How are you?"),
             ("assistant", "I am fine, thank you. 🙂 héllo"),
-        ),  # fmt: skip
+        ),
         make_chat(("user", "x"), ("assistant", " leading and trailing spaces ")),
     ]
     enc = Encoder(generation_tokenizer)
     for rec in convs:
-        ref = generation_tokenizer.apply_chat_template(rec["messages"], tokenize=True, return_dict=True,
-                                                       return_assistant_tokens_mask=True)  # fmt: skip
+        ref = generation_tokenizer.apply_chat_template(
+            rec["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         sample = enc.encode(rec)
         assert sample.input_ids.tolist() == ref["input_ids"]
         assert sample.loss_mask.tolist() == ref["assistant_masks"]
@@ -119,8 +125,13 @@ def test_odd_contents(tokenizer, loss_runs, make_chat):
 
 
 def test_sharegpt_mapping(tokenizer, make_chat):
-    sharegpt = {"conversations": [{"from": "system", "value": SYSTEM}, {"from": "human", "value": "Hi"},
-                                  {"from": "gpt", "value": "Hello there!"}]}  # fmt: skip
+    sharegpt = {
+        "conversations": [
+            {"from": "system", "value": SYSTEM},
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello there!"},
+        ]
+    }
     chat = make_chat(("system", SYSTEM), ("user", "Hi"), ("assistant", "Hello there!"))
     enc = Encoder(tokenizer)
     a, b = enc.encode(sharegpt), enc.encode(chat)
@@ -213,13 +224,16 @@ def test_detection_and_forced_formats(tokenizer):
         ({"messages": [{"role": "user", "content": 3}]}, "wrong_type", "messages[0].content"),
         ({"messages": [{"role": 1, "content": "x"}]}, "wrong_type", "messages[0].role"),
         ({"messages": [{"role": "user", "content": "Hi"}]}, "no_assistant", "messages"),
-        ({"messages": [{"role": "assistant", "content": "x", "reasoning_content": 1}]}, "wrong_type",
-         "messages[0].reasoning_content"),
+        (
+            {"messages": [{"role": "assistant", "content": "x", "reasoning_content": 1}]},
+            "wrong_type",
+            "messages[0].reasoning_content",
+        ),
         ({"text": 5}, "wrong_type", "text"),
         ({"text": ""}, "empty_sample", "text"),
         ({"prompt": "Q", "response": ""}, "empty_sample", "response"),
     ],
-)  # fmt: skip
+)
 def test_chat_validation(tokenizer, record, reason, field):
     with pytest.raises(DataError) as e:
         Encoder(tokenizer).encode(record)

@@ -28,12 +28,18 @@ def leftovers(parent):
 
 
 def test_end_to_end(tmp_path, tokenizer, tokenizer_dir, write_jsonl, write_parquet, make_chat, flashdraft, capsys):
-    chats = [make_chat(("user", "Hi"), ("assistant", "Hello there!")),
-             make_chat(("system", "You are a helpful assistant."), ("user", "What is two plus two?"),
-                       ("assistant", "<think>Let me think.</think>Four.")),
-             {"text": "The answer is 42."}]  # fmt: skip
-    sharegpt = [{"conversations": [{"from": "human", "value": f"Q{i}"}, {"from": "gpt", "value": f"A{i}"}]}
-                for i in range(5)]  # fmt: skip
+    chats = [
+        make_chat(("user", "Hi"), ("assistant", "Hello there!")),
+        make_chat(
+            ("system", "You are a helpful assistant."),
+            ("user", "What is two plus two?"),
+            ("assistant", "<think>Let me think.</think>Four."),
+        ),
+        {"text": "The answer is 42."},
+    ]
+    sharegpt = [
+        {"conversations": [{"from": "human", "value": f"Q{i}"}, {"from": "gpt", "value": f"A{i}"}]} for i in range(5)
+    ]
     a = write_jsonl(tmp_path / "in" / "a.jsonl", chats)
     b = write_parquet(tmp_path / "in" / "b.parquet", sharegpt, row_group_size=2)
     out = tmp_path / "shards"
@@ -48,9 +54,17 @@ def test_end_to_end(tmp_path, tokenizer, tokenizer_dir, write_jsonl, write_parqu
     for i, s in enumerate(expected):
         assert ds[i][0].tolist() == s.input_ids.tolist() and ds[i][1].tolist() == s.loss_mask.tolist()
     meta = ds.meta
-    assert meta["counts"] == {"files": 2, "records": 8, "kept": 8, "skipped": {}, "truncated": 0,
-                              "dropped_overlong": 0, "dropped_no_loss": 0, "tokens": ds.num_tokens,
-                              "loss_tokens": ds.num_loss_tokens}  # fmt: skip
+    assert meta["counts"] == {
+        "files": 2,
+        "records": 8,
+        "kept": 8,
+        "skipped": {},
+        "truncated": 0,
+        "dropped_overlong": 0,
+        "dropped_no_loss": 0,
+        "tokens": ds.num_tokens,
+        "loss_tokens": ds.num_loss_tokens,
+    }
     assert meta["format"]["drop_thinking"] is True and meta["max_length"] == 3072
     assert meta["tokenizer"]["hash"] and meta["content_hash"] and meta["sources"] == [a, b]
     assert leftovers(tmp_path) == []
@@ -67,8 +81,11 @@ def test_progress_bar(tmp_path, tokenizer, write_jsonl):
 
     src = write_jsonl(tmp_path / "a.jsonl", [{"text": f"sample {i}"} for i in range(600)])
     console = Console(file=io.StringIO(), force_terminal=True, width=120)
-    prepare_shards(PrepareConfig(data=[src], tokenizer="-", out=str(tmp_path / "o"), workers=1), tokenizer=tokenizer,
-            console=console)  # fmt: skip
+    prepare_shards(
+        PrepareConfig(data=[src], tokenizer="-", out=str(tmp_path / "o"), workers=1),
+        tokenizer=tokenizer,
+        console=console,
+    )
     shown = console.file.getvalue()
     assert "reading" in shown and "600 records" in shown
 
@@ -78,8 +95,9 @@ def test_overlong_and_no_loss(tmp_path, tokenizer, write_jsonl, overlong):
     n_long = len(tokenizer(LONG)["input_ids"])
     records = [{"text": "short"}, {"text": LONG}, {"prompt": LONG, "response": " yes"}, {"text": "also short"}]
     path = write_jsonl(tmp_path / "a.jsonl", records)
-    cfg = PrepareConfig(data=[path], tokenizer="-", out=str(tmp_path / "out"), max_length=n_long - 5,
-                        overlong=overlong, progress=False)  # fmt: skip
+    cfg = PrepareConfig(
+        data=[path], tokenizer="-", out=str(tmp_path / "out"), max_length=n_long - 5, overlong=overlong, progress=False
+    )
     res = prepare_shards(cfg, tokenizer=tokenizer)
     c = res.counts
     if overlong == "truncate":
@@ -93,10 +111,19 @@ def test_overlong_and_no_loss(tmp_path, tokenizer, write_jsonl, overlong):
 
 def test_bad_records_stop_or_are_counted(tmp_path, tokenizer_dir, write_jsonl, make_chat, flashdraft, capsys):
     good = make_chat(("user", "Hi"), ("assistant", "Hello"))
-    path = write_jsonl(tmp_path / "mixed.jsonl", [
-        good, b'{"messages": [', {"messages": []}, {"messages": [{"role": "narrator", "content": "x"}]},
-        make_chat(("user", "Hi")), b"\xff\xfe", {"input_ids": [1, 2], "loss_mask": [1]}, good,
-    ])  # fmt: skip
+    path = write_jsonl(
+        tmp_path / "mixed.jsonl",
+        [
+            good,
+            b'{"messages": [',
+            {"messages": []},
+            {"messages": [{"role": "narrator", "content": "x"}]},
+            make_chat(("user", "Hi")),
+            b"\xff\xfe",
+            {"input_ids": [1, 2], "loss_mask": [1]},
+            good,
+        ],
+    )
     out = tmp_path / "out"
     assert flashdraft("--data", path, "--tokenizer", tokenizer_dir, "--out", out) == 2
     err = capsys.readouterr().err
@@ -105,12 +132,24 @@ def test_bad_records_stop_or_are_counted(tmp_path, tokenizer_dir, write_jsonl, m
 
     assert flashdraft("--data", path, "--tokenizer", tokenizer_dir, "--out", out, "--skip-bad") == 0
     stdout = capsys.readouterr().out
-    for reason in ("malformed JSON", "empty conversation", "unknown role", "no assistant turn", "not valid UTF-8",
-                   "ids / mask lengths differ"):  # fmt: skip
+    for reason in (
+        "malformed JSON",
+        "empty conversation",
+        "unknown role",
+        "no assistant turn",
+        "not valid UTF-8",
+        "ids / mask lengths differ",
+    ):
         assert reason in stdout
     meta = TokenizedDataset(out).meta
-    assert meta["counts"]["skipped"] == {"malformed_json": 1, "empty_messages": 1, "unknown_role": 1,
-                                         "no_assistant": 1, "non_utf8": 1, "length_mismatch": 1}  # fmt: skip
+    assert meta["counts"]["skipped"] == {
+        "malformed_json": 1,
+        "empty_messages": 1,
+        "unknown_role": 1,
+        "no_assistant": 1,
+        "non_utf8": 1,
+        "length_mismatch": 1,
+    }
     assert (meta["counts"]["records"], meta["counts"]["kept"]) == (8, 2)
 
 
@@ -170,8 +209,10 @@ def test_reuse_refuse_force(tmp_path, tokenizer, write_jsonl, make_chat):
     other.mkdir()
     (other / "precious.txt").write_text("keep me")
     with pytest.raises(DataError, match="not a flashdraft shard directory"):
-        prepare_shards(PrepareConfig(data=[str(src)], tokenizer="-", out=str(other), skip_bad=True, progress=False),
-                tokenizer=tokenizer)  # fmt: skip
+        prepare_shards(
+            PrepareConfig(data=[str(src)], tokenizer="-", out=str(other), skip_bad=True, progress=False),
+            tokenizer=tokenizer,
+        )
     assert (other / "precious.txt").read_text() == "keep me"
 
 
@@ -235,8 +276,12 @@ def test_chat_data_without_template(tmp_path, plain_tokenizer_dir, write_jsonl, 
         err = capsys.readouterr().err
         assert code == 2 and "no chat template" in err and "--format text" in err, extra
     assert not (tmp_path / "out").exists()
-    assert flashdraft("--data", src, "--tokenizer", plain_tokenizer_dir, "--out", tmp_path / "o", "--format", "text",
-                      "--skip-bad") == 0  # fmt: skip
+    assert (
+        flashdraft(
+            "--data", src, "--tokenizer", plain_tokenizer_dir, "--out", tmp_path / "o", "--format", "text", "--skip-bad"
+        )
+        == 0
+    )
     assert TokenizedDataset(tmp_path / "o").meta["counts"]["skipped"] == {"missing_field": 1}
 
 

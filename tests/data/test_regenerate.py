@@ -21,12 +21,17 @@ def _write(path, rows):
 
 ROWS = [
     {"prompt": "def add(a, b):\n    return"},
-    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "import os"},
-                  {"role": "assistant", "content": "old reply"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "import os"},
+            {"role": "assistant", "content": "old reply"},
+        ]
+    },
     {"conversations": [{"from": "human", "value": "for i in range("}, {"from": "gpt", "value": "x"}]},
     {"prompt": "class A:\n", "response": "old"},
     {"prompt": "while True:"},
-]  # fmt: skip
+]
 
 
 def _read(path):
@@ -125,8 +130,16 @@ def test_vllm_backend_is_driven_through_its_offline_api(tmp_path, monkeypatch):
     assert choose_backend("auto", torch.device("cpu")) == "hf"  # serving engines are GPU programs
     src = _write(tmp_path / "in.jsonl", ROWS[:1] + ROWS[3:])
     generator = VLLMGenerator("/models/target", trust_remote_code=False, seed=7)
-    counts = regenerate(generator, bundled.load_tokenizer(), [str(src)], tmp_path / "o.jsonl", temperature=0.7,
-                        max_new_tokens=5, batch_size=2, progress=False)  # fmt: skip
+    counts = regenerate(
+        generator,
+        bundled.load_tokenizer(),
+        [str(src)],
+        tmp_path / "o.jsonl",
+        temperature=0.7,
+        max_new_tokens=5,
+        batch_size=2,
+        progress=False,
+    )
     assert counts["written"] == 3
     assert calls[0] == ("init", {"model": "/models/target", "trust_remote_code": False, "seed": 7})
     assert [c[1] for c in calls[1:]] == [[ROWS[0]["prompt"], ROWS[3]["prompt"]], [ROWS[4]["prompt"]]]

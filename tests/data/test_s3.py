@@ -20,8 +20,9 @@ from .conftest import FAKE_KEY_ID, FAKE_SECRET
 
 pytest.importorskip("s3fs")
 
-CHATS = [{"messages": [{"role": "user", "content": f"Q{i}"}, {"role": "assistant", "content": f"A{i}"}]}
-         for i in range(6)]  # fmt: skip
+CHATS = [
+    {"messages": [{"role": "user", "content": f"Q{i}"}, {"role": "assistant", "content": f"A{i}"}]} for i in range(6)
+]
 
 
 def jsonl(records) -> bytes:
@@ -50,14 +51,19 @@ def bucket(s3):
 def test_read_jsonl_and_parquet(bucket):
     name, endpoint = bucket
     files = resolve([f"s3://{name}/chat/*.jsonl*", f"s3://{name}/pq/"], endpoint_url=endpoint)
-    assert [f.url for f in files] == [f"s3://{name}/chat/part-0.jsonl", f"s3://{name}/chat/part-1.jsonl.gz",
-                                      f"s3://{name}/pq/part-0.parquet"]  # fmt: skip
+    assert [f.url for f in files] == [
+        f"s3://{name}/chat/part-0.jsonl",
+        f"s3://{name}/chat/part-1.jsonl.gz",
+        f"s3://{name}/pq/part-0.parquet",
+    ]
     assert all(f.fingerprint.split(":", 1)[1] for f in files)  # ETags identify the content
     report, seen = DataReport(), []
     records = list(iter_records(files, report, progress=seen.append))
     assert [r.data for r in records] == CHATS
-    assert [r.where() for r in records][-2:] == [f"s3://{name}/pq/part-0.parquet row 0",
-                                                 f"s3://{name}/pq/part-0.parquet row 1"]  # fmt: skip
+    assert [r.where() for r in records][-2:] == [
+        f"s3://{name}/pq/part-0.parquet row 0",
+        f"s3://{name}/pq/part-0.parquet row 1",
+    ]
     assert sum(seen) == sum(f.size for f in files)
     assert [r.data for r in iter_records(resolve([f"s3://{name}/chat/part-0.jsonl"], endpoint_url=endpoint))] == CHATS[
         :2
@@ -66,12 +72,19 @@ def test_read_jsonl_and_parquet(bucket):
 
 def test_prepare_from_s3(bucket, tokenizer, tmp_path, local_copy):
     name, endpoint = bucket
-    cfg = PrepareConfig(data=[f"s3://{name}/chat/", f"s3://{name}/pq/*.parquet"], tokenizer="-",
-                        out=str(tmp_path / "s3"), endpoint_url=endpoint, progress=False)  # fmt: skip
+    cfg = PrepareConfig(
+        data=[f"s3://{name}/chat/", f"s3://{name}/pq/*.parquet"],
+        tokenizer="-",
+        out=str(tmp_path / "s3"),
+        endpoint_url=endpoint,
+        progress=False,
+    )
     res = prepare_shards(cfg, tokenizer=tokenizer)
     assert res.counts["kept"] == 6 and res.counts["files"] == 3
-    local = prepare_shards(PrepareConfig(data=[local_copy], tokenizer="-", out=str(tmp_path / "local"), progress=False),
-                    tokenizer=tokenizer)  # fmt: skip
+    local = prepare_shards(
+        PrepareConfig(data=[local_copy], tokenizer="-", out=str(tmp_path / "local"), progress=False),
+        tokenizer=tokenizer,
+    )
     a, b = TokenizedDataset(res.path), TokenizedDataset(local.path)
     assert [a[i][0].tolist() for i in range(6)] == [b[i][0].tolist() for i in range(6)]
     assert [a[i][1].tolist() for i in range(6)] == [b[i][1].tolist() for i in range(6)]
@@ -93,8 +106,11 @@ def local_copy(tmp_path, write_jsonl):
 
 def test_missing_objects(bucket):
     name, endpoint = bucket
-    for spec, text in [(f"s3://{name}/nope/*.jsonl", "matches no"), (f"s3://{name}/nope.jsonl", "no such file"),
-                       (f"s3://{name}-missing/x.jsonl", "no such file")]:  # fmt: skip
+    for spec, text in [
+        (f"s3://{name}/nope/*.jsonl", "matches no"),
+        (f"s3://{name}/nope.jsonl", "no such file"),
+        (f"s3://{name}-missing/x.jsonl", "no such file"),
+    ]:
         with pytest.raises(DataError, match=text) as e:
             resolve([spec], endpoint_url=endpoint)
         assert spec in str(e.value) and not e.value.skippable
@@ -112,8 +128,21 @@ def test_no_credentials(moto_server, no_aws, monkeypatch, tmp_path, tokenizer_di
     from flashdraft import cli
 
     monkeypatch.setitem(cli.SUBCOMMANDS, "prepare", "flashdraft.data.prepare")
-    code = cli.main(["prepare", "--data", spec, "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "o"),
-                     "--endpoint-url", moto_server, "--no-progress", "--skip-bad"])  # fmt: skip
+    code = cli.main(
+        [
+            "prepare",
+            "--data",
+            spec,
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--out",
+            str(tmp_path / "o"),
+            "--endpoint-url",
+            moto_server,
+            "--no-progress",
+            "--skip-bad",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 2 and "no S3 credentials found" in captured.err and spec in captured.err
     assert FAKE_SECRET not in captured.err + captured.out and "Traceback" not in captured.err
@@ -158,15 +187,28 @@ def fake_credentials(no_aws, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_silent_endpoint_fails_within_30_s_naming_the_url_and_the_setting(silent_endpoint, fake_credentials,
-                                                                             tokenizer_dir, tmp_path, capsys):  # fmt: skip
+def test_a_silent_endpoint_fails_within_30_s_naming_the_url_and_the_setting(
+    silent_endpoint, fake_credentials, tokenizer_dir, tmp_path, capsys
+):
     from flashdraft import cli
 
     url, accepted = silent_endpoint
     spec = "s3://bucket/data/part-0.jsonl"
     started = time.monotonic()
-    code = cli.main(["prepare", "--data", spec, "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "o"),
-                     "--endpoint-url", url, "--no-progress"])  # fmt: skip
+    code = cli.main(
+        [
+            "prepare",
+            "--data",
+            spec,
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--out",
+            str(tmp_path / "o"),
+            "--endpoint-url",
+            url,
+            "--no-progress",
+        ]
+    )
     took = time.monotonic() - started
     err = capsys.readouterr().err
     assert code == 2 and took <= 30, (code, took, err)
@@ -187,8 +229,11 @@ def test_an_endpoint_that_refuses_connections_is_named(fake_credentials):
     with socket.create_server(("127.0.0.1", 0)) as server:
         url = f"http://127.0.0.1:{server.getsockname()[1]}"
     started = time.monotonic()
-    with pytest.raises(DataError, match=rf"s3://bucket/x.jsonl: cannot connect to the S3 endpoint {url} .*2 attempts"
-                       ".*raise s3.connect_timeout") as info:  # fmt: skip
+    with pytest.raises(
+        DataError,
+        match=rf"s3://bucket/x.jsonl: cannot connect to the S3 endpoint {url} .*2 attempts"
+        ".*raise s3.connect_timeout",
+    ) as info:
         resolve(["s3://bucket/x.jsonl"], endpoint_url=url, s3=S3Config(attempts=2))
     assert not info.value.skippable and time.monotonic() - started < 10
 

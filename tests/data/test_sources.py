@@ -80,8 +80,12 @@ def test_empty_and_corrupt_files(tmp_path, write_jsonl, write_parquet):
     bad_pq = tmp_path / "bad.parquet"
     bad_pq.write_bytes(b"not parquet at all")
     good = write_jsonl(tmp_path / "good.jsonl", [REC])
-    for path, text in [(empty, "empty file"), (empty_pq, "empty file"), (str(corrupt), "corrupt"),
-                       (str(bad_pq), "Parquet")]:  # fmt: skip
+    for path, text in [
+        (empty, "empty file"),
+        (empty_pq, "empty file"),
+        (str(corrupt), "corrupt"),
+        (str(bad_pq), "Parquet"),
+    ]:
         with pytest.raises(DataError, match=text) as e:
             read([path])
         assert str(path) in str(e.value)

@@ -19,8 +19,9 @@ def drafter(seed=0, sliding=False, **kwargs) -> DFlashDraftModel:
     if sliding:
         kwargs |= {"layer_types": ["sliding_attention"] * 2, "sliding_window": 7}
     torch.manual_seed(seed)
-    model = DFlashDraftModel.from_target(tiny_config("qwen3", num_layers=8), num_layers=2, block_size=4,
-                                         mask_token_id=5, **kwargs)  # fmt: skip
+    model = DFlashDraftModel.from_target(
+        tiny_config("qwen3", num_layers=8), num_layers=2, block_size=4, mask_token_id=5, **kwargs
+    )
     # Non-trivial norm weights, so that a wrong dtype path through q/k norms would show.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -50,8 +51,12 @@ def masks(model, batch):
 
 def forward(model, batch, ctx, noise, mask, dtype):
     model = model.to(dtype)
-    return model(position_ids=batch.position_ids, attention_mask=mask, noise_embedding=noise.to(dtype),
-                 target_hidden=ctx.to(dtype))  # fmt: skip
+    return model(
+        position_ids=batch.position_ids,
+        attention_mask=mask,
+        noise_embedding=noise.to(dtype),
+        target_hidden=ctx.to(dtype),
+    )
 
 
 @pytest.mark.parametrize("sliding", [False, True])

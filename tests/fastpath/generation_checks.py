@@ -42,8 +42,11 @@ def binds_fla_at_import() -> bool | None:
 
 def lookups(model) -> dict[tuple[int, str], object]:
     """What every linear-attention layer calls, keyed by (owner, name)."""
-    return {(id(owner), name): getattr(owner, name) for _, layer in linear_attention_layers(model)
-            for owner, name in entry_points(layer).values()}  # fmt: skip
+    return {
+        (id(owner), name): getattr(owner, name)
+        for _, layer in linear_attention_layers(model)
+        for owner, name in entry_points(layer).values()
+    }
 
 
 def check_fast_path(family: str) -> None:

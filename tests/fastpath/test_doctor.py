@@ -13,8 +13,9 @@ NAMES = {"gpu", "torch", "driver", "triton", "fla-core", "causal-conv1d", "trans
 
 
 def test_doctor_json_on_this_machine():
-    out = subprocess.run([sys.executable, "-m", "flashdraft", "doctor", "--json"], capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "flashdraft", "doctor", "--json"], capture_output=True, text=True, timeout=600
+    )
     result = json.loads(out.stdout)
     assert set(result) >= {"ok", "checks", "layers"}
     assert {c["name"] for c in result["checks"]} == NAMES
@@ -41,8 +42,12 @@ def test_doctor_json_on_this_machine():
 
 
 def test_doctor_table_output():
-    out = subprocess.run([sys.executable, "-m", "flashdraft", "doctor", "--model", "qwen3_next"], capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "flashdraft", "doctor", "--model", "qwen3_next"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert "flashdraft doctor" in out.stdout and "chunk rule" in out.stdout
     assert ("fast path complete" if CUDA else "fast path incomplete") in out.stdout
 
@@ -54,8 +59,12 @@ def test_doctor_model_from_config_file(tmp_path):
 
 
 def test_doctor_bad_model_path_is_exit_2():
-    out = subprocess.run([sys.executable, "-m", "flashdraft", "doctor", "--model", "/nonexistent/x"],
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "flashdraft", "doctor", "--model", "/nonexistent/x"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 2 and "/nonexistent/x" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -64,11 +73,13 @@ def test_doctor_bad_model_path_is_exit_2():
     [
         ("  File setup.py\nNameError: name 'bare_metal_version' is not defined", "no nvcc"),
         ("OSError: CUDA_HOME environment variable is not set. Please set it", "CUDA_HOME is unset"),
-        ("RuntimeError: The detected CUDA version (12.4) mismatches the version that was used to compile\nPyTorch (13.0)",
-         "differs"),
+        (
+            "RuntimeError: The detected CUDA version (12.4) mismatches the version that was used to compile\nPyTorch (13.0)",
+            "differs",
+        ),
         ("ModuleNotFoundError: No module named 'wheel'", "wheel"),
     ],
-)  # fmt: skip
+)
 def test_build_log_diagnosis(log, meaning):
     found = diagnose_build_log(log)
     assert found and any(meaning in m for m, _ in found)

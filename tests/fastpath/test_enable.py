@@ -150,15 +150,17 @@ def test_import_order_does_not_matter(order):
     imports = ["import flashdraft.fastpath", "import transformers.models.qwen3_5.modeling_qwen3_5"]
     if order == "transformers-first":
         imports.reverse()
-    script = "\n".join([
-        *imports,
-        "from flashdraft import fastpath",
-        "from flashdraft.target.tiny import build_tiny_target",
-        "import torch",
-        "m = build_tiny_target('qwen3_5', num_layers=4, device='cuda' if torch.cuda.is_available() else 'cpu')",
-        "r = fastpath.enable(m, strict=False)",
-        "print(sorted({u.impl for l in r.layers for u in l.ops.values()}), len(r.layers))",
-    ])  # fmt: skip
+    script = "\n".join(
+        [
+            *imports,
+            "from flashdraft import fastpath",
+            "from flashdraft.target.tiny import build_tiny_target",
+            "import torch",
+            "m = build_tiny_target('qwen3_5', num_layers=4, device='cuda' if torch.cuda.is_available() else 'cpu')",
+            "r = fastpath.enable(m, strict=False)",
+            "print(sorted({u.impl for l in r.layers for u in l.ops.values()}), len(r.layers))",
+        ]
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     expected = "['torch'] 3" if not CUDA else f"['{FLA}', '{FLASHDRAFT_TRITON}'] 3"  # fp32 on the GPU: fast too

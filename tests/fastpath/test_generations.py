@@ -35,8 +35,14 @@ def test_generation(directory):
     path = [str(REPO)] if directory is None else [directory, str(REPO)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     args = [] if directory is None else [_release_of(directory)]
-    out = subprocess.run([sys.executable, "-m", "tests.fastpath.generation_checks", *args], capture_output=True,
-                         text=True, env=env, cwd=REPO, timeout=900)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.fastpath.generation_checks", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=900,
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr[-6000:]
 
 

@@ -29,8 +29,14 @@ def write_record(path, pid, host=None, proc_start="auto", age=0.0, command="trai
     path.parent.mkdir(parents=True, exist_ok=True)
     if proc_start == "auto":
         proc_start = lock._proc_start(pid)
-    record = {"pid": pid, "host": host or socket.gethostname(), "command": command, "started": time.time() - age,
-              "token": f"other-{pid}", "proc_start": proc_start}  # fmt: skip
+    record = {
+        "pid": pid,
+        "host": host or socket.gethostname(),
+        "command": command,
+        "started": time.time() - age,
+        "token": f"other-{pid}",
+        "proc_start": proc_start,
+    }
     path.write_text(json.dumps(record))
     os.utime(path, (time.time() - age, time.time() - age))
     return record
@@ -61,9 +67,10 @@ def test_a_live_holder_is_named_and_nothing_changes(tmp_path, sleeper):
     with pytest.raises(OutputBusy) as info:
         OutputLock(path, "train").acquire()
     message = str(info.value)
-    assert f"{tmp_path} is in use by another run: flashdraft train, pid {sleeper.pid} on host " \
-           f"{socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M', time.localtime(record['started']))}" \
-           in message  # fmt: skip
+    assert (
+        f"{tmp_path} is in use by another run: flashdraft train, pid {sleeper.pid} on host "
+        f"{socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M', time.localtime(record['started']))}" in message
+    )
     assert re.search(r"heartbeat \d s ago", message) and str(path) in message
     assert token_in(path) == record["token"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [lock.LOCK_NAME]  # no temporary file left behind

@@ -246,9 +246,18 @@ CLI = [
 
 CASES = DATA + CONFIGS + MODELS + CLI + PROMPTS + REGENERATE + FEATURES + STORAGE
 # Run as users run them: `python -m flashdraft ...` in a subprocess (a few seconds of start-up each).
-SUBPROCESS = {"data-malformed-json", "data-chat-without-chat-template", "config-missing-file", "config-wrong-type",
-              "model-eval-hidden-size-mismatch", "model-drafter-pickle-refused", "cli-unknown-subcommand",
-              "cli-resume-without-checkpoint", "prompts-not-utf8", "output-held-by-another-run"}  # fmt: skip
+SUBPROCESS = {
+    "data-malformed-json",
+    "data-chat-without-chat-template",
+    "config-missing-file",
+    "config-wrong-type",
+    "model-eval-hidden-size-mismatch",
+    "model-drafter-pickle-refused",
+    "cli-unknown-subcommand",
+    "cli-resume-without-checkpoint",
+    "prompts-not-utf8",
+    "output-held-by-another-run",
+}
 
 
 def test_the_corpus_is_large_and_ids_are_unique():
@@ -301,15 +310,40 @@ def corpus(tmp_path_factory) -> dict[str, str]:
     data("prompts_list", "[1]\n")
     data("prompts_empty", "\n\n")
     data("text_only", line({"text": "plain text, nothing to answer"}))
-    for name, index in [("feat_garbled", '{"format": "flashdraft-features/1", "target'),
-                        ("feat_no_samples", json.dumps({"format": "flashdraft-features/1", "target": "t",
-                                                        "target_layer_ids": [1], "hidden_size": 64,
-                                                        "dtype": "float32", "data_hash": "h", "num_samples": 0,
-                                                        "files": []})),
-                        ("feat_bad_width", json.dumps({"format": "flashdraft-features/1", "target": "t",
-                                                       "target_layer_ids": [1], "hidden_size": "wide",
-                                                       "dtype": "float32", "data_hash": "h", "num_samples": 0,
-                                                       "files": [], "samples": []}))]:  # fmt: skip
+    for name, index in [
+        ("feat_garbled", '{"format": "flashdraft-features/1", "target'),
+        (
+            "feat_no_samples",
+            json.dumps(
+                {
+                    "format": "flashdraft-features/1",
+                    "target": "t",
+                    "target_layer_ids": [1],
+                    "hidden_size": 64,
+                    "dtype": "float32",
+                    "data_hash": "h",
+                    "num_samples": 0,
+                    "files": [],
+                }
+            ),
+        ),
+        (
+            "feat_bad_width",
+            json.dumps(
+                {
+                    "format": "flashdraft-features/1",
+                    "target": "t",
+                    "target_layer_ids": [1],
+                    "hidden_size": "wide",
+                    "dtype": "float32",
+                    "data_hash": "h",
+                    "num_samples": 0,
+                    "files": [],
+                    "samples": [],
+                }
+            ),
+        ),
+    ]:
         (root / name).mkdir()
         (root / name / "features.json").write_text(index)
         paths[name] = str(root / name)
@@ -320,16 +354,29 @@ def corpus(tmp_path_factory) -> dict[str, str]:
     # Held by a live run on this host: this test process, under a token it does not hold itself.
     busy = root / "busy"
     busy.mkdir()
-    (busy / lock.LOCK_NAME).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                                   "command": "train", "started": 0, "token": "someone-else",
-                                                   "proc_start": lock._proc_start(os.getpid())}))  # fmt: skip
+    (busy / lock.LOCK_NAME).write_text(
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "command": "train",
+                "started": 0,
+                "token": "someone-else",
+                "proc_start": lock._proc_start(os.getpid()),
+            }
+        )
+    )
     paths["busy"] = str(busy)
     (root / "bad.json").write_text("{not json")
     paths["bad_json"] = str(root / "bad.json")
 
-    for name, text in [("cfg_unknown", "trainer:\n  epochs: 1\n"), ("cfg_wrong_type", "train:\n  epochs: six\n"),
-                       ("cfg_list", "- train\n- data\n"), ("cfg_section", "optim: 3\n"),
-                       ("cfg_invalid", "train: [1,\n")]:  # fmt: skip
+    for name, text in [
+        ("cfg_unknown", "trainer:\n  epochs: 1\n"),
+        ("cfg_wrong_type", "train:\n  epochs: six\n"),
+        ("cfg_list", "- train\n- data\n"),
+        ("cfg_section", "optim: 3\n"),
+        ("cfg_invalid", "train: [1,\n"),
+    ]:
         (root / f"{name}.yaml").write_text(text)
         paths[name] = str(root / f"{name}.yaml")
     (root / "cfg_binary.yaml").write_bytes(b"train:\n  epochs: \xff\xfe\n")
@@ -363,8 +410,12 @@ def _models(root: Path, tokenizer) -> dict[str, str]:
     tokenizer.save_pretrained(root / "target")
     paths["target"] = str(root / "target")
     drafter("drafter", target.config, target_layer_ids=[1, 2], mask_token_id=1050)
-    drafter("drafter_h128", tiny_config("qwen3", 4, vocab_size=1088, hidden_size=128), target_layer_ids=[1, 2],
-            mask_token_id=1050)  # fmt: skip
+    drafter(
+        "drafter_h128",
+        tiny_config("qwen3", 4, vocab_size=1088, hidden_size=128),
+        target_layer_ids=[1, 2],
+        mask_token_id=1050,
+    )
     drafter("drafter_v2048", tiny_config("qwen3", 4, vocab_size=2048), target_layer_ids=[1, 2], mask_token_id=2000)
     drafter("drafter_l12", tiny_config("qwen3", 12, vocab_size=1088), target_layer_ids=[1, 9], mask_token_id=1050)
 
@@ -451,8 +502,9 @@ def test_bad_input_in_process(c, corpus, tmp_path, capsys, caplog, one_thread, m
 
 def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "COLUMNS": str(WIDTH)}
-    return subprocess.run([sys.executable, "-m", "flashdraft", *argv], capture_output=True, text=True, timeout=300,
-                          cwd=cwd, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "flashdraft", *argv], capture_output=True, text=True, timeout=300, cwd=cwd, env=env
+    )
 
 
 @pytest.fixture(scope="module")

@@ -69,8 +69,9 @@ def test_a_step_dir_without_manifest_is_a_torn_checkpoint_visible_as_complete(tm
 def test_a_checkpoint_reported_written_but_gone_is_lost(tmp_path):
     checker, out = _checker(tmp_path)
     log = tmp_path / "launch.log"
-    log.write_text(f"checkpoint {out}/checkpoints/step_00000002 written\ncheckpoint {out}/checkpoints/step_00000004 "
-                   "written\n")  # fmt: skip
+    log.write_text(
+        f"checkpoint {out}/checkpoints/step_00000002 written\ncheckpoint {out}/checkpoints/step_00000004 written\n"
+    )
     checker.after_kill("after launch 5", log)
     assert checker.summary.checkpoints_lost == 2
     assert "[2, 4] were committed but the newest left is None" in checker.summary.failures[0]

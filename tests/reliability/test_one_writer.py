@@ -28,14 +28,20 @@ EXIT_OUTPUT = 4
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "COLUMNS": "250"}  # fmt: skip
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "COLUMNS": "250",
+    }
 
 
 def _train(out: Path, log: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "flashdraft", "train", "--out", str(out), *RUN, *extra]
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=_env(), cwd=log.parent,
-                            start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=_env(), cwd=log.parent, start_new_session=True
+    )
 
 
 def _wait_for(condition, timeout: float, what: str) -> None:
@@ -57,8 +63,10 @@ def test_two_runs_started_together_one_trains_and_a_killed_runs_lock_is_taken_ov
     text = loser_log.read_text()
     assert loser.returncode == EXIT_OUTPUT, text
     assert refused_after < 5, f"the second run took {refused_after:.1f} s to refuse"
-    assert f"{out} is in use by another run: flashdraft train, pid {winner.pid} on host {socket.gethostname()}, " \
-           "since " in text  # fmt: skip
+    assert (
+        f"{out} is in use by another run: flashdraft train, pid {winner.pid} on host {socket.gethostname()}, "
+        "since " in text
+    )
     assert "step 1/" not in text and "Traceback" not in text
     holder = json.loads(lock.lock_path(out).read_text())
     assert holder["pid"] == winner.pid

@@ -31,9 +31,17 @@ CANARIES = {
     "AWS_SESSION_TOKEN": "fdCanarySessionToken0000000000000000000",
     "WANDB_API_KEY": "fdcanarywandbapikey00000000000000000000000",
 }
-_AWS_OTHER = ("AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-              "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-              "AWS_CONTAINER_CREDENTIALS_FULL_URI")  # fmt: skip
+_AWS_OTHER = (
+    "AWS_SECURITY_TOKEN",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+)
 TOKENIZER = str(bundled.tokenizer_dir())
 
 
@@ -46,8 +54,12 @@ def leaked(text: str | bytes) -> list[str]:
 def aws_env(tmp_path: Path, credentials: bool = True) -> dict[str, str]:
     """This process's environment with no AWS configuration of the machine's own, plus the canaries."""
     env = {k: v for k, v in os.environ.items() if k not in CANARIES and k not in _AWS_OTHER}
-    env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no-credentials"), AWS_CONFIG_FILE=str(tmp_path / "no-config"),
-               AWS_EC2_METADATA_DISABLED="true", AWS_DEFAULT_REGION="us-east-1")  # fmt: skip
+    env.update(
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no-credentials"),
+        AWS_CONFIG_FILE=str(tmp_path / "no-config"),
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
     if credentials:
         env.update(CANARIES)
     else:
@@ -104,8 +116,10 @@ class _EchoingS3(http.server.BaseHTTPRequestHandler):
     def _reply(self):
         self.seen.append(dict(self.headers))
         echo = " ".join(f"{k}={v}" for k, v in self.headers.items())
-        body = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{self.code}</Code><Message>rejected: {echo}'
-                "</Message></Error>").encode()  # fmt: skip
+        body = (
+            f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{self.code}</Code><Message>rejected: {echo}'
+            "</Message></Error>"
+        ).encode()
         self.send_response(self.status)
         self.send_header("Content-Type", "application/xml")
         self.send_header("Content-Length", str(len(body)))
@@ -135,16 +149,29 @@ def echoing_s3():
         server.server_close()
 
 
-@pytest.mark.parametrize("status, code, message", [(400, "InvalidArgument", "cannot read"),
-                                                   (403, "AccessDenied", "access denied")])  # fmt: skip
-def test_s3_error_that_echoes_the_request_shows_no_secret(status, code, message, echoing_s3, set_env, tmp_path,
-                                                          capsys):  # fmt: skip
+@pytest.mark.parametrize(
+    "status, code, message", [(400, "InvalidArgument", "cannot read"), (403, "AccessDenied", "access denied")]
+)
+def test_s3_error_that_echoes_the_request_shows_no_secret(status, code, message, echoing_s3, set_env, tmp_path, capsys):
     endpoint, seen = echoing_s3(status, code)
     set_env(aws_env(tmp_path))
     spec = "s3://bucket/regen/*.jsonl"
     started = time.perf_counter()
-    code_, out, err = run_cli(["prepare", "--data", spec, "--endpoint-url", endpoint, "--tokenizer", TOKENIZER,
-                               "--out", str(tmp_path / "shards"), "--no-progress"], capsys)  # fmt: skip
+    code_, out, err = run_cli(
+        [
+            "prepare",
+            "--data",
+            spec,
+            "--endpoint-url",
+            endpoint,
+            "--tokenizer",
+            TOKENIZER,
+            "--out",
+            str(tmp_path / "shards"),
+            "--no-progress",
+        ],
+        capsys,
+    )
     assert code_ == 2 and f"{spec}: {message}" in err and "Traceback" not in err, err
     assert time.perf_counter() - started < 60
     # the server did receive the session token (and the key id), so the echo really carried them
@@ -161,8 +188,21 @@ def test_s3_without_credentials_fails_fast_without_network(set_env, tmp_path, ca
     monkeypatch.setattr(socket.socket, "connect", lambda s, addr: connects.append(addr) or real_connect(s, addr))
     spec = "s3://bucket/regen/*.jsonl"
     started = time.perf_counter()
-    code, out, err = run_cli(["prepare", "--data", spec, "--endpoint-url", f"http://127.0.0.1:{closed_port()}",
-                              "--tokenizer", TOKENIZER, "--out", str(tmp_path / "o"), "--no-progress"], capsys)  # fmt: skip
+    code, out, err = run_cli(
+        [
+            "prepare",
+            "--data",
+            spec,
+            "--endpoint-url",
+            f"http://127.0.0.1:{closed_port()}",
+            "--tokenizer",
+            TOKENIZER,
+            "--out",
+            str(tmp_path / "o"),
+            "--no-progress",
+        ],
+        capsys,
+    )
     assert code == 2 and f"{spec}: no S3 credentials found" in err and "AWS_ACCESS_KEY_ID" in err, err
     assert time.perf_counter() - started < 10 and connects == []
 
@@ -171,9 +211,27 @@ def test_s3_unreachable_endpoint_in_a_subprocess(tmp_path):
     """As a user runs it: fake credentials, an endpoint on a closed loopback port; a bounded, clear failure."""
     spec, endpoint = "s3://bucket/data/part-0.jsonl", f"http://127.0.0.1:{closed_port()}"
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "flashdraft", "prepare", "--data", spec, "--endpoint-url",
-                           endpoint, "--tokenizer", TOKENIZER, "--out", str(tmp_path / "o"), "--no-progress"],
-                          capture_output=True, text=True, timeout=300, env=aws_env(tmp_path))  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flashdraft",
+            "prepare",
+            "--data",
+            spec,
+            "--endpoint-url",
+            endpoint,
+            "--tokenizer",
+            TOKENIZER,
+            "--out",
+            str(tmp_path / "o"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=aws_env(tmp_path),
+    )
     assert proc.returncode == 2, proc.stderr
     assert f"{spec}: cannot connect to the S3 endpoint {endpoint} (EndpointConnectionError" in proc.stderr
     assert "raise s3.connect_timeout" in proc.stderr
@@ -220,9 +278,26 @@ def test_training_run_writes_no_secret(tmp_path):
         (tmp_path / "stub" / "wandb" / "__init__.py").write_text(WANDB_STUB)
         root = Path(__file__).resolve().parents[2]
         env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "stub"), str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "flashdraft", "train", "--out", str(out), "train.max_steps=2",
-                           "log.every=1", "data.eval_limit=1", "data.eval_max_new_tokens=4", "log.trackers=[wandb]"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flashdraft",
+            "train",
+            "--out",
+            str(out),
+            "train.max_steps=2",
+            "log.every=1",
+            "data.eval_limit=1",
+            "data.eval_max_new_tokens=4",
+            "log.trackers=[wandb]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert leaked(proc.stdout + proc.stderr) == []
     files = [p for p in out.rglob("*") if p.is_file()]
@@ -249,8 +324,9 @@ def tiny_models(tmp_path_factory):
     target.save_pretrained(root / "target")
     bundled.load_tokenizer().save_pretrained(root / "target")
     torch.manual_seed(0)
-    drafter = DFlashDraftModel.from_target(target.config, num_layers=1, block_size=4, target_layer_ids=[1, 2],
-                                           mask_token_id=1050)  # fmt: skip
+    drafter = DFlashDraftModel.from_target(
+        target.config, num_layers=1, block_size=4, target_layer_ids=[1, 2], mask_token_id=1050
+    )
     drafter.save_pretrained(root / "drafter")
     (root / "prompts.jsonl").write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
     return root
@@ -294,10 +370,23 @@ def test_load_target_passes_trust_remote_code_only_when_asked(tiny_models, hf_ca
 
 
 def test_eval_never_trusts_remote_code(tiny_models, hf_calls, capsys, tmp_path):
-    code, out, err = run_cli(["eval", "--target", str(tiny_models / "target"), "--drafter",
-                              str(tiny_models / "drafter"), "--prompts", str(tiny_models / "prompts.jsonl"),
-                              "--max-new-tokens", "4", "--no-progress", "--json", str(tmp_path / "r.json")],
-                             capsys)  # fmt: skip
+    code, out, err = run_cli(
+        [
+            "eval",
+            "--target",
+            str(tiny_models / "target"),
+            "--drafter",
+            str(tiny_models / "drafter"),
+            "--prompts",
+            str(tiny_models / "prompts.jsonl"),
+            "--max-new-tokens",
+            "4",
+            "--no-progress",
+            "--json",
+            str(tmp_path / "r.json"),
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert {name for name, _, _ in hf_calls} >= {"AutoTokenizer", "AutoModelForCausalLM"}
     assert {trust for _, _, trust in hf_calls} == {False}, hf_calls
@@ -309,9 +398,20 @@ def test_train_passes_the_config_value(tiny_models, hf_calls, capsys, tmp_path, 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: more threads only contend on a busy 2-core machine
     try:
-        code, out, err = run_cli(["train", "--out", str(tmp_path / "run"), f"target.path={tiny_models / 'target'}",
-                                  "drafter.init_from=null", "drafter.target_layer_ids=[1,2]", "train.max_steps=1", "data.eval_limit=1",
-                                  "data.eval_max_new_tokens=2"], capsys)  # fmt: skip
+        code, out, err = run_cli(
+            [
+                "train",
+                "--out",
+                str(tmp_path / "run"),
+                f"target.path={tiny_models / 'target'}",
+                "drafter.init_from=null",
+                "drafter.target_layer_ids=[1,2]",
+                "train.max_steps=1",
+                "data.eval_limit=1",
+                "data.eval_max_new_tokens=2",
+            ],
+            capsys,
+        )
     finally:
         torch.set_num_threads(threads)
     assert code == 0, err
@@ -379,8 +479,12 @@ def no_network(monkeypatch):
 )
 def test_uncached_hub_ids_are_an_offline_error(argv, message, tiny_models, no_network, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    names = {"target": tiny_models / "target", "drafter": tiny_models / "drafter", "out": tmp_path / "out",
-             "prompts": tiny_models / "prompts.jsonl"}  # fmt: skip
+    names = {
+        "target": tiny_models / "target",
+        "drafter": tiny_models / "drafter",
+        "out": tmp_path / "out",
+        "prompts": tiny_models / "prompts.jsonl",
+    }
     started = time.perf_counter()
     code, out, err = run_cli([arg.format(**names) for arg in argv], capsys)
     assert code == 2 and message in err and "Traceback" not in err, err
@@ -405,8 +509,9 @@ raise SystemExit(main(sys.argv[1:]))
 def guarded(argv: list[str], hf_home: Path, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}  # unset: the default
     env.update(HF_HOME=str(hf_home), COLUMNS="200")
-    return subprocess.run([sys.executable, "-c", GUARDED_CLI, *argv], capture_output=True, text=True, timeout=600,
-                          env=env, cwd=cwd)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", GUARDED_CLI, *argv], capture_output=True, text=True, timeout=600, env=env, cwd=cwd
+    )
 
 
 def fake_hub_cache(hf_home: Path, repo: str, source: Path) -> None:
@@ -422,8 +527,19 @@ def test_uncached_hub_ids_in_a_subprocess(tmp_path, tiny_models):
     """An empty hub cache: `flashdraft eval` on hub ids stops at once (it used to retry a download for about a
     minute, then fail with exit 3) without a connection attempt."""
     started = time.perf_counter()
-    proc = guarded(["eval", "--target", "flashdraft-tests/not-cached", "--drafter", "flashdraft-tests/not-cached-2",
-                    "--prompts", str(tiny_models / "prompts.jsonl")], tmp_path / "hf-home", tmp_path)  # fmt: skip
+    proc = guarded(
+        [
+            "eval",
+            "--target",
+            "flashdraft-tests/not-cached",
+            "--drafter",
+            "flashdraft-tests/not-cached-2",
+            "--prompts",
+            str(tiny_models / "prompts.jsonl"),
+        ],
+        tmp_path / "hf-home",
+        tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "neither a local directory nor in the hub cache" in proc.stderr and "HF_HUB_OFFLINE=0" in proc.stderr
     assert "Traceback" not in proc.stderr and "NETWORK ATTEMPT" not in proc.stderr
@@ -435,8 +551,20 @@ def test_cached_hub_target_trains_without_network(tmp_path, tiny_models):
     nothing, flashdraft's code or transformers', tries to reach the Hub."""
     hf_home = tmp_path / "hf-home"
     fake_hub_cache(hf_home, "flashdraft-tests/tiny-target", tiny_models / "target")
-    proc = guarded(["train", "--out", str(tmp_path / "run"), "target.path=flashdraft-tests/tiny-target",
-                    "drafter.init_from=null", "drafter.target_layer_ids=[1,2]", "train.max_steps=1", "data.eval_limit=1",
-                    "data.eval_max_new_tokens=2"], hf_home, tmp_path)  # fmt: skip
+    proc = guarded(
+        [
+            "train",
+            "--out",
+            str(tmp_path / "run"),
+            "target.path=flashdraft-tests/tiny-target",
+            "drafter.init_from=null",
+            "drafter.target_layer_ids=[1,2]",
+            "train.max_steps=1",
+            "data.eval_limit=1",
+            "data.eval_max_new_tokens=2",
+        ],
+        hf_home,
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "NETWORK ATTEMPT" not in proc.stderr and "measured τ" in proc.stdout

@@ -52,8 +52,13 @@ LIMIT_AFTER_FIRST_CHECKPOINT = textwrap.dedent("""
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "COLUMNS": "250"}  # fmt: skip
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "COLUMNS": "250",
+    }
 
 
 def _flashdraft(*argv, cwd: Path, file_limit: int | None = None, runner: list[str] | None = None):
@@ -61,8 +66,15 @@ def _flashdraft(*argv, cwd: Path, file_limit: int | None = None, runner: list[st
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
     cmd = [sys.executable, *(runner or ["-m", "flashdraft"]), *map(str, argv)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=cwd, env=_env(),
-                          preexec_fn=limit if file_limit is not None else None)  # fmt: skip
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=cwd,
+        env=_env(),
+        preexec_fn=limit if file_limit is not None else None,
+    )
 
 
 def _losses(out: Path) -> dict[int, float]:
@@ -84,8 +96,9 @@ def tmpfs(path: Path, size: str):
     path.mkdir(parents=True)
     if os.geteuid() != 0:
         pytest.skip("a small tmpfs for a real ENOSPC needs root (mount -t tmpfs)")
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                           text=True)  # fmt: skip
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if mount.returncode != 0:
         pytest.skip(f"a small tmpfs for a real ENOSPC could not be mounted: {mount.stderr.strip()}")
     try:
@@ -125,10 +138,13 @@ def test_train_past_the_file_size_limit_stops_cleanly_and_resumes_exactly(tmp_pa
     out = tmp_path / "run"
     runner = ["-c", LIMIT_AFTER_FIRST_CHECKPOINT, str(MiB)]
     proc = _flashdraft("train", "--out", out, *RUN, cwd=tmp_path, runner=runner)
-    _clean_failure(proc, f"error: cannot write checkpoint step_00000004 at {out}/checkpoints: a file grew past the "
-                         "file-size limit (ulimit -f: 1.0 MiB per file); it needs about ",
-                   f"the newest complete checkpoint, {out}/checkpoints/step_00000002, is intact: make room, then "
-                   "continue with --resume")  # fmt: skip
+    _clean_failure(
+        proc,
+        f"error: cannot write checkpoint step_00000004 at {out}/checkpoints: a file grew past the "
+        "file-size limit (ulimit -f: 1.0 MiB per file); it needs about ",
+        f"the newest complete checkpoint, {out}/checkpoints/step_00000002, is intact: make room, then "
+        "continue with --resume",
+    )
     _after_the_fault(out, uninterrupted, tmp_path)
 
 
@@ -137,9 +153,12 @@ def test_train_on_a_full_disk_stops_cleanly_and_resumes_exactly(tmp_path, uninte
     with tmpfs(tmp_path / "disk", "45m") as disk:
         out = disk / "run"
         proc = _flashdraft("train", "--out", out, *RUN, cwd=tmp_path)
-        text = _clean_failure(proc, f"error: cannot write checkpoint step_00000004 at {out}/checkpoints: no space left "
-                                    "on the device; it needs about ",
-                              f"the newest complete checkpoint, {out}/checkpoints/step_00000002, is intact")  # fmt: skip
+        text = _clean_failure(
+            proc,
+            f"error: cannot write checkpoint step_00000004 at {out}/checkpoints: no space left "
+            "on the device; it needs about ",
+            f"the newest complete checkpoint, {out}/checkpoints/step_00000002, is intact",
+        )
         needed = float(text.split("it needs about ")[1].split(" MiB")[0])
         written = sum(f.stat().st_size for f in (out / "checkpoints" / "step_00000002").rglob("*") if f.is_file())
         assert abs(needed * MiB - written) < 0.1 * written  # the estimate is the size of a checkpoint
@@ -150,8 +169,19 @@ def test_train_on_a_full_disk_stops_cleanly_and_resumes_exactly(tmp_path, uninte
 
 
 def _prepare(out: Path, *extra, cwd: Path, file_limit: int | None = None):
-    return _flashdraft("prepare", "--data", bundled.ASSETS / "train.jsonl", "--tokenizer", bundled.tokenizer_dir(),
-                       "--out", out, "--no-progress", *extra, cwd=cwd, file_limit=file_limit)  # fmt: skip
+    return _flashdraft(
+        "prepare",
+        "--data",
+        bundled.ASSETS / "train.jsonl",
+        "--tokenizer",
+        bundled.tokenizer_dir(),
+        "--out",
+        out,
+        "--no-progress",
+        *extra,
+        cwd=cwd,
+        file_limit=file_limit,
+    )
 
 
 def _leftovers(parent: Path) -> list[str]:
@@ -161,9 +191,12 @@ def _leftovers(parent: Path) -> list[str]:
 def test_prepare_past_the_file_size_limit_keeps_nothing_half_written(tmp_path):
     out = tmp_path / "shards"
     failed = _prepare(out, cwd=tmp_path, file_limit=256 << 10)  # the token ids of the bundled data: ~0.9 MiB
-    _clean_failure(failed, f"error: cannot write the shards {out} at {tmp_path}: a file grew past the file-size "
-                           "limit (ulimit -f: 256.0 KiB per file); it needs about ",
-                   "Nothing was kept: make room, then run again")  # fmt: skip
+    _clean_failure(
+        failed,
+        f"error: cannot write the shards {out} at {tmp_path}: a file grew past the file-size "
+        "limit (ulimit -f: 256.0 KiB per file); it needs about ",
+        "Nothing was kept: make room, then run again",
+    )
     assert not out.exists() and _leftovers(tmp_path) == []
 
     assert _prepare(out, cwd=tmp_path).returncode == 0
@@ -199,8 +232,16 @@ def few_samples(tmp_path_factory) -> Path:
 
 
 def _features(out: Path, data: Path, cwd: Path, file_limit: int | None = None):
-    return _flashdraft("features", "--out", out, f"data.train=[{data}]", f"log.out={cwd / 'log'}",
-                       "train.device=cpu", cwd=cwd, file_limit=file_limit)  # fmt: skip
+    return _flashdraft(
+        "features",
+        "--out",
+        out,
+        f"data.train=[{data}]",
+        f"log.out={cwd / 'log'}",
+        "train.device=cpu",
+        cwd=cwd,
+        file_limit=file_limit,
+    )
 
 
 def test_features_past_the_file_size_limit_leave_no_index(tmp_path, few_samples):
@@ -208,9 +249,12 @@ def test_features_past_the_file_size_limit_leave_no_index(tmp_path, few_samples)
     assert _features(out, few_samples, tmp_path).returncode == 0
     before = FeatureStore(str(out)).sample(3)
     failed = _features(out, few_samples, tmp_path, file_limit=MiB)
-    _clean_failure(failed, f"error: cannot write the features of 16 samples at {out}: a file grew past the "
-                           "file-size limit (ulimit -f: 1.0 MiB per file); it needs about ",
-                   f"{out} has no features.json, so train refuses it")  # fmt: skip
+    _clean_failure(
+        failed,
+        f"error: cannot write the features of 16 samples at {out}: a file grew past the "
+        "file-size limit (ulimit -f: 1.0 MiB per file); it needs about ",
+        f"{out} has no features.json, so train refuses it",
+    )
     # The old index went first: what is there now is never read as features.
     with pytest.raises(FileNotFoundError, match="no features.json there"):
         FeatureStore(str(out))

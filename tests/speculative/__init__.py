@@ -174,8 +174,10 @@ def recorded_forwards(target):
         ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
         records.append((starts.pop(), ids[0].clone(), output.logits[0].clone()))
 
-    handles = [target.register_forward_pre_hook(before, with_kwargs=True),
-               target.register_forward_hook(after, with_kwargs=True)]  # fmt: skip
+    handles = [
+        target.register_forward_pre_hook(before, with_kwargs=True),
+        target.register_forward_hook(after, with_kwargs=True),
+    ]
     try:
         yield records
     finally:

@@ -181,10 +181,19 @@ def plain_hybrid():
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     config = Qwen3_5TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, layer_types=["linear_attention"] * 3 + ["full_attention"],
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    )
     torch.manual_seed(21)
     target = Qwen3_5ForCausalLM(config).eval()
     fastpath.disable(target)  # undo what an earlier test's entry point patched: a fresh process's state
@@ -209,8 +218,9 @@ def test_entry_points_make_a_plain_transformers_model_runnable(plain_hybrid, ent
     }[entry]
     first = run()
     assert is_patched(target)
-    hf = target.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0,
-                         eos_token_id=None)  # fmt: skip
+    hf = target.generate(
+        prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
     assert first.tokens == hf[0, prompt.shape[1] :].tolist()
     assert run().tokens == first.tokens  # applying the fast path again changes nothing
 

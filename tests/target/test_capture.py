@@ -237,9 +237,15 @@ def test_compiled_glue_keeps_the_features_and_can_be_undone(family):
 
 @pytest.mark.parametrize(
     ("setting", "device", "shard", "expected"),
-    [("auto", "cuda", False, True), ("auto", "cuda", True, False), ("auto", "cpu", False, False),
-     (True, "cpu", False, True), (False, "cuda", False, False), (True, "cuda", True, True)],
-)  # fmt: skip
+    [
+        ("auto", "cuda", False, True),
+        ("auto", "cuda", True, False),
+        ("auto", "cpu", False, False),
+        (True, "cpu", False, True),
+        (False, "cuda", False, False),
+        (True, "cuda", True, True),
+    ],
+)
 def test_target_compile_resolution(setting, device, shard, expected):
     """`target.compile`: auto compiles the glue on CUDA, except a sharded target; true and false are obeyed."""
     options = TargetConfig(path="t", compile=setting, shard=shard)

@@ -41,8 +41,9 @@ def test_build_target_bundled_spreads_num_features_layers():
 
 def test_build_target_directory_matches_load_target(tmp_path):
     build_tiny_target("qwen3_5", 4, seed=3).save_pretrained(tmp_path)
-    target = build_target(TargetConfig(path=str(tmp_path)), layer_ids=None, device="cpu", dtype=torch.float32,
-                          num_features=2)  # fmt: skip
+    target = build_target(
+        TargetConfig(path=str(tmp_path)), layer_ids=None, device="cpu", dtype=torch.float32, num_features=2
+    )
     assert target.target_layer_ids == build_target_layer_ids(4, 2) and target.name_or_path == str(tmp_path)
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
     full = build_tiny_target("qwen3_5", 4, seed=3).eval()

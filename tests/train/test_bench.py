@@ -43,14 +43,25 @@ def test_cost_model_at_27b_scale():
     weights counted by hand from the config's numbers, not from the model's parameters."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    cfg = Qwen3_5TextConfig(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=62,
-                            num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
-                            linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
-                            layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(62)])  # fmt: skip
+    cfg = Qwen3_5TextConfig(
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=62,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(62)],
+    )
     with torch.device("meta"):
         model = Qwen3_5ForCausalLM(cfg)
-        drafter = DFlashDraftModel.from_target(cfg, num_layers=5, block_size=16, target_layer_ids=[1, 16, 31, 46, 61],
-                                               mask_token_id=248070)  # fmt: skip
+        drafter = DFlashDraftModel.from_target(
+            cfg, num_layers=5, block_size=16, target_layer_ids=[1, 16, 31, 46, 61], mask_token_id=248070
+        )
     s = SimpleNamespace(target=SimpleNamespace(model=model, lm_head_weight=model.lm_head.weight), drafter=drafter)
     seq, anchors, bs, hidden, vocab = 3072, 512, 16, 5120, 248320
     mlp_and_norms = 3 * hidden * 17408 + 2 * hidden
@@ -59,15 +70,27 @@ def test_cost_model_at_27b_scale():
     full = hidden * (2 * 24 * 256) + 2 * hidden * (4 * 256) + (24 * 256) * hidden + 2 * 256 + mlp_and_norms
     # Gated DeltaNet: q, k (16 heads x 128) and v (48 x 128) in one projection, z (48 x 128), b and a (48 each), out;
     # the depthwise conv (width 4) over q, k, v; decay A and dt bias (48 each); the gated norm (128).
-    linear = (hidden * (2 * 16 * 128 + 48 * 128) + hidden * (48 * 128) + 2 * hidden * 48 + (48 * 128) * hidden
-              + 4 * (2 * 16 * 128 + 48 * 128) + 2 * 48 + 128 + mlp_and_norms)  # fmt: skip
+    linear = (
+        hidden * (2 * 16 * 128 + 48 * 128)
+        + hidden * (48 * 128)
+        + 2 * hidden * 48
+        + (48 * 128) * hidden
+        + 4 * (2 * 16 * 128 + 48 * 128)
+        + 2 * 48
+        + 128
+        + mlp_and_norms
+    )
     # Layers 3, 7, .., 59 are full attention; the final norm; embedding and LM head excluded.
     target = 15 * full + 47 * linear + hidden
     # The drafter: plain attention (no gate) with q and k norms; its final norm and the norm after fc.
     drafter_layer = hidden * (24 * 256) + 2 * hidden * (4 * 256) + (24 * 256) * hidden + 2 * 256 + mlp_and_norms
     fc = 5 * hidden * hidden  # 5 captured layers -> hidden, over the context tokens
-    by_hand = (2 * target * seq + 6 * (5 * drafter_layer + 2 * hidden) * anchors * bs + 6 * fc * seq
-               + 4 * hidden * vocab * anchors * (bs - 1))  # fmt: skip
+    by_hand = (
+        2 * target * seq
+        + 6 * (5 * drafter_layer + 2 * hidden) * anchors * bs
+        + 6 * fc * seq
+        + 4 * hidden * vocab * anchors * (bs - 1)
+    )
     flops = step_flops(s, seq, anchors * (bs - 1))
     assert flops == pytest.approx(by_hand, rel=1e-9)
     assert 85 < flops / seq / 1e9 < 91
@@ -95,7 +118,8 @@ def test_step_flops_count_what_a_step_multiplies():
     matmul = sum(n for op, n in counted.items() if str(op) in ("aten.mm", "aten.addmm"))
     labelled = int(stats.valid.sum())
     assert tokens == 32 and labelled == 3 * (s.drafter.block_size - 1)
-    context_kv = sum(layer.self_attn.k_proj.weight.numel() + layer.self_attn.v_proj.weight.numel()
-                     for layer in s.drafter.layers)  # fmt: skip
+    context_kv = sum(
+        layer.self_attn.k_proj.weight.numel() + layer.self_attn.v_proj.weight.numel() for layer in s.drafter.layers
+    )
     model = step_flops(s, tokens, labelled) - 2 * s.drafter.fc.weight.numel() * tokens + 6 * context_kv * tokens
     assert model == pytest.approx(matmul, rel=5e-3)

@@ -270,10 +270,21 @@ def manifest_misses_a_required_file(path):
 
 @pytest.mark.parametrize(
     "damage",
-    [flip_byte, drop_manifest, truncate, remove_file, garble_manifest, truncate_manifest, manifest_without_files,
-     manifest_without_format, manifest_entry_garbled, manifest_lists_an_unknown_file, manifest_points_outside,
-     manifest_misses_a_required_file],
-)  # fmt: skip
+    [
+        flip_byte,
+        drop_manifest,
+        truncate,
+        remove_file,
+        garble_manifest,
+        truncate_manifest,
+        manifest_without_files,
+        manifest_without_format,
+        manifest_entry_garbled,
+        manifest_lists_an_unknown_file,
+        manifest_points_outside,
+        manifest_misses_a_required_file,
+    ],
+)
 def test_corrupt_newest_falls_back_with_a_warning(tmp_path, caplog, damage):
     run = trained()
     manager = CheckpointManager(tmp_path, keep=3)
@@ -423,8 +434,18 @@ def test_saving_needs_the_output_directory_and_cleans_up_only_under_its_lock(tmp
     holder = subprocess.Popen(["sleep", "60"])
     try:
         lock_file = lock.lock_path(tmp_path)
-        lock_file.write_text(json.dumps({"pid": holder.pid, "host": os.uname().nodename, "command": "train",
-                                         "started": 0, "token": "other", "proc_start": lock._proc_start(holder.pid)}))  # fmt: skip
+        lock_file.write_text(
+            json.dumps(
+                {
+                    "pid": holder.pid,
+                    "host": os.uname().nodename,
+                    "command": "train",
+                    "started": 0,
+                    "token": "other",
+                    "proc_start": lock._proc_start(holder.pid),
+                }
+            )
+        )
         with pytest.raises(
             OutputBusy, match=f"{tmp_path} is in use by another run: flashdraft train, pid {holder.pid}"
         ):
@@ -442,8 +463,9 @@ def test_a_lock_taken_over_meanwhile_stops_the_save_before_it_deletes_anything(t
     manager = CheckpointManager(tmp_path, keep=1)
     with lock.hold(tmp_path, "train"):
         manager.save(1, *run, {})
-        lock.lock_path(tmp_path).write_text(json.dumps({"pid": 4242, "host": "node-17", "command": "train",
-                                                        "started": 0, "token": "theirs"}))  # fmt: skip
+        lock.lock_path(tmp_path).write_text(
+            json.dumps({"pid": 4242, "host": "node-17", "command": "train", "started": 0, "token": "theirs"})
+        )
         with pytest.raises(OutputLockLost, match="now names flashdraft train, pid 4242 on host node-17"):
             manager.save(2, *run, {})
     assert saved_steps(manager) == [1]

@@ -31,8 +31,14 @@ from flashdraft.train.optim import build_optimizer, build_scheduler
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 # 4 steps, a checkpoint every 2; no measured τ (decoding is rank 0's alone and tested elsewhere).
-RUN = ["train.max_steps=4", "log.every=1", "log.checkpoint_every=2", "data.eval_prompts=null", "train.batch_size=2",
-       "train.device=cpu"]  # gloo on the CPU even where a GPU is visible (2 ranks cannot share one with NCCL)
+RUN = [
+    "train.max_steps=4",
+    "log.every=1",
+    "log.checkpoint_every=2",
+    "data.eval_prompts=null",
+    "train.batch_size=2",
+    "train.device=cpu",
+]  # gloo on the CPU even where a GPU is visible (2 ranks cannot share one with NCCL)
 # The sums of a step run in another order (gradients accumulated in .grad vs reduce-scattered, stats all-reduced):
 # last-bit differences, which Adam can enlarge a little over the steps. A wrong split of the data or of the loss,
 # or averaged instead of summed gradients, differs by far more (percent).
@@ -41,13 +47,24 @@ RTOL = 1e-6
 
 def _env(extra_path: Path | None = None) -> dict:
     paths = [str(ROOT)] + ([str(extra_path)] if extra_path else [])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1"}  # fmt: skip
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def torchrun(args: list[str], nproc: int = 2, env: dict | None = None, timeout: int = 300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "flashdraft", *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "flashdraft",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or _env())
 
 
@@ -80,8 +97,13 @@ def one_proc(tmp_path_factory):
 def two_procs(tmp_path_factory):
     """Launched by `flashdraft train --nproc 2` (torchrun underneath)."""
     out = tmp_path_factory.mktemp("two")
-    run = subprocess.run([sys.executable, "-m", "flashdraft", "train", "--nproc", "2", "--out", str(out), *RUN],
-                         capture_output=True, text=True, timeout=300, env=_env())  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "flashdraft", "train", "--nproc", "2", "--out", str(out), *RUN],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return out, run
 
@@ -116,14 +138,23 @@ def test_sharded_checkpoint_layout_and_identical_export(two_procs, tmp_path):
     out, _ = two_procs
     ckpt = out / "checkpoints" / "step_00000004"
     files = json.loads((ckpt / "MANIFEST.json").read_text())["files"]
-    assert {"sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp", "drafter/model.safetensors",
-            "scheduler.pt", "rng.pt", "trainer_state.json"} <= set(files)  # fmt: skip
+    assert {
+        "sharded/.metadata",
+        "sharded/__0_0.distcp",
+        "sharded/__1_0.distcp",
+        "drafter/model.safetensors",
+        "scheduler.pt",
+        "rng.pt",
+        "trainer_state.json",
+    } <= set(files)
     assert "optimizer.pt" not in files
     assert json.loads((ckpt / "drafter" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     # The sharded state, loaded and exported by one process, gives the very bytes rank 0 exported from 2 ranks.
     drafter, _ = _state(out, 4)
     drafter.save_pretrained(tmp_path / "export")
-    assert (tmp_path / "export" / "model.safetensors").read_bytes() == (ckpt / "drafter" / "model.safetensors").read_bytes()
+    assert (tmp_path / "export" / "model.safetensors").read_bytes() == (
+        ckpt / "drafter" / "model.safetensors"
+    ).read_bytes()
 
 
 def test_two_rank_checkpoint_resumes_on_one_process(one_proc, two_procs, tmp_path):
@@ -152,8 +183,19 @@ def test_one_process_checkpoint_resumes_on_two(one_proc, tmp_path):
 def test_periodic_tau_with_a_sharded_drafter_neither_hangs_nor_changes_the_losses(one_proc, tmp_path):
     """Every rank gathers the FSDP2 drafter, rank 0 decodes while the others wait in the next step's collective."""
     out = tmp_path / "run"
-    run = torchrun(["train", "--out", str(out), *RUN, "data.eval_prompts=bundled", "data.eval_limit=1",
-                    "data.eval_max_new_tokens=24", "log.eval_every=2"], timeout=240)  # fmt: skip
+    run = torchrun(
+        [
+            "train",
+            "--out",
+            str(out),
+            *RUN,
+            "data.eval_prompts=bundled",
+            "data.eval_limit=1",
+            "data.eval_max_new_tokens=24",
+            "log.eval_every=2",
+        ],
+        timeout=240,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # The gathered drafter is the fine-tuned shipped one, whose drafts are accepted (tau 1.77 on this prompt before
@@ -233,15 +275,31 @@ def test_a_failure_on_another_node_stops_a_rank_that_is_not_in_a_collective(tmp_
     rank 1's message."""
     env = _env(_site(tmp_path, FAIL_ON_RANK_1_WHILE_RANK_0_WORKS))
     port = _free_port()
-    common = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-              "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=fdtest", "-m", "flashdraft",
-              "train", "--out", str(tmp_path / "run"), *RUN]  # fmt: skip
+    common = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=fdtest",
+        "-m",
+        "flashdraft",
+        "train",
+        "--out",
+        str(tmp_path / "run"),
+        *RUN,
+    ]
     nodes = []
     for _ in range(2):
         # The first agent binds the rendezvous endpoint (hosts its store) and, with the lower pid, gets rank 0:
         # then the failing node takes nothing down with it that rank 0's node depends on.
-        nodes.append(subprocess.Popen(common, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                      start_new_session=True))  # fmt: skip
+        nodes.append(
+            subprocess.Popen(
+                common, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+            )
+        )
         time.sleep(3)
     try:
         outputs = [p.communicate(timeout=150) for p in nodes]  # rank 0 alone would sleep 600 s

@@ -87,8 +87,14 @@ def _window_stats():
     """LossStats of a log window: 3 of 4 positions right, on a drafter of block size 3."""
     from flashdraft.drafter.recipe import LossStats
 
-    return LossStats(loss_sum=torch.tensor(8.0), weight_sum=torch.tensor(4.0), correct=torch.tensor([0, 2, 1]),
-                     valid=torch.tensor([0, 2, 2]), accepted=torch.tensor(3), blocks=torch.tensor(2))  # fmt: skip
+    return LossStats(
+        loss_sum=torch.tensor(8.0),
+        weight_sum=torch.tensor(4.0),
+        correct=torch.tensor([0, 2, 1]),
+        valid=torch.tensor([0, 2, 2]),
+        accepted=torch.tensor(3),
+        blocks=torch.tensor(2),
+    )
 
 
 @pytest.mark.parametrize("peak, mfu", [(None, None), (flops.Peak(1e9, "test"), 0.2)])

@@ -19,8 +19,13 @@ from flashdraft.config import load_config, to_dict
 from flashdraft.train import loop
 
 PLOT = importlib.util.find_spec("matplotlib") is not None  # the plot extra; without it no curve, and a notice
-SHORT = ["train.max_steps=6", "log.every=1", "log.checkpoint_every=3", "data.eval_limit=1",
-         "data.eval_max_new_tokens=8"]  # fmt: skip
+SHORT = [
+    "train.max_steps=6",
+    "log.every=1",
+    "log.checkpoint_every=3",
+    "data.eval_limit=1",
+    "data.eval_max_new_tokens=8",
+]
 
 
 def _cfg(out, *extra):
@@ -174,10 +179,21 @@ def test_a_stop_logs_the_steps_since_the_last_log_line(tmp_path, monkeypatch):
 
 def test_cli_runs_the_bundled_default_and_reports(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "flashdraft", "train", "--out", str(tmp_path / "cli"), *SHORT[:1], "data.eval_limit=1",
-         "data.eval_max_new_tokens=8"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "flashdraft",
+            "train",
+            "--out",
+            str(tmp_path / "cli"),
+            *SHORT[:1],
+            "data.eval_limit=1",
+            "data.eval_max_new_tokens=8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "simulated τ" in out.stdout and "measured τ" in out.stdout
     assert ("training_curve.png" in out.stdout) == PLOT
@@ -192,8 +208,12 @@ def test_cli_runs_the_bundled_default_and_reports(tmp_path):
     ],
 )
 def test_cli_bad_input_exit_2(tmp_path, args, message):
-    out = subprocess.run([sys.executable, "-m", "flashdraft", "train", "--out", str(tmp_path), *args],
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "flashdraft", "train", "--out", str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert message in out.stderr and "Traceback" not in out.stderr
 
@@ -224,16 +244,24 @@ def test_static_shapes_pad_without_changing_loss_or_gradients():
     test below compares within bf16 tolerances instead)."""
     from flashdraft.train import bench
 
-    overrides = ["data.max_length=40", "recipe.num_anchors=6", "train.batch_size=2", "train.grad_accum=2",
-                 "train.device=cpu"]  # fmt: skip
-    cfg = {static: load_config(bundled.ASSETS / "train.yaml", [*overrides, f"train.static_shapes={static}"])
-           for static in ("false", "true")}  # fmt: skip
+    overrides = [
+        "data.max_length=40",
+        "recipe.num_anchors=6",
+        "train.batch_size=2",
+        "train.grad_accum=2",
+        "train.device=cpu",
+    ]
+    cfg = {
+        static: load_config(bundled.ASSETS / "train.yaml", [*overrides, f"train.static_shapes={static}"])
+        for static in ("false", "true")
+    }
     target, tokenizer = bench.load_bench_target(cfg["false"])
     s = bench.bench_setup(cfg["false"], target, tokenizer=tokenizer, steps=2)
     s.data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
     shapes = []
-    s.drafter.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["position_ids"].shape)),
-                                        with_kwargs=True)  # fmt: skip
+    s.drafter.register_forward_pre_hook(
+        lambda m, a, kw: shapes.append(tuple(kw["position_ids"].shape)), with_kwargs=True
+    )
 
     class Keep:  # stands in for the optimizer: keeps the step's gradients instead of applying them
         def step(self):
@@ -287,8 +315,13 @@ def test_compiled_flex_steps_over_ragged_batches_on_gpu():
 # ---- --resume of a job stopped before its first checkpoint ------------------------------------------------------
 
 # Two steps, no checkpoint before the last one, no measured τ: the cheapest complete run.
-TWO_STEPS = ["train.max_steps=2", "train.batch_size=1", "log.every=1", "log.checkpoint_every=100",
-             "data.eval_prompts=null"]  # fmt: skip
+TWO_STEPS = [
+    "train.max_steps=2",
+    "train.batch_size=1",
+    "log.every=1",
+    "log.checkpoint_every=100",
+    "data.eval_prompts=null",
+]
 
 
 def _two_steps(out, *extra):

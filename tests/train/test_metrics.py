@@ -55,8 +55,17 @@ def test_unserialisable_metric_names_its_key(tmp_path):
 
 
 def test_format_line():
-    metrics = {"loss": 3.2144, "sim_tau": 1.834, "acc": [0.412, 0.3], "tok_s": 12_345.0, "draft_tok_s": 45_210.0,
-               "mfu": 0.3121, "mem_gib": 12.14, "lr": 5.8e-4, "block_tau": 2.0}  # fmt: skip
+    metrics = {
+        "loss": 3.2144,
+        "sim_tau": 1.834,
+        "acc": [0.412, 0.3],
+        "tok_s": 12_345.0,
+        "draft_tok_s": 45_210.0,
+        "mfu": 0.3121,
+        "mem_gib": 12.14,
+        "lr": 5.8e-4,
+        "block_tau": 2.0,
+    }
     assert format_line(120, metrics, total_steps=600) == (
         "step 120/600 | loss 3.214 | sim_tau 1.83 | acc@1 0.41 | 12.3K tok/s | 45.2K draft tok/s | MFU 31.2% | "
         "mem 12.1 GiB | lr 5.8e-4"
@@ -80,8 +89,10 @@ def test_piped_output_has_one_whole_line_per_log_step_and_no_bar(tmp_path):
         metrics.log(20, {**wide, "loss": 2.5})
     metrics.close()
     printed = out.file.getvalue().splitlines()
-    assert printed == [format_line(10, {"step": 10, **wide}, total_steps=20),
-                       format_line(20, {"step": 20, **wide, "loss": 2.5}, total_steps=20)]  # fmt: skip
+    assert printed == [
+        format_line(10, {"step": 10, **wide}, total_steps=20),
+        format_line(20, {"step": 20, **wide, "loss": 2.5}, total_steps=20),
+    ]
     assert len(printed[0]) > 80  # so it would have wrapped
 
 
@@ -218,8 +229,9 @@ def test_wandb_tracker_gets_redacted_config_flat_scalars_and_resumes_its_run(tmp
 def test_tensorboard_tracker_writes_events(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    with MetricsLogger(tmp_path, total_steps=2, trackers=["tensorboard"], console=console(),
-                       config={"hf_token": "hf_abc"}) as metrics:  # fmt: skip
+    with MetricsLogger(
+        tmp_path, total_steps=2, trackers=["tensorboard"], console=console(), config={"hf_token": "hf_abc"}
+    ) as metrics:
         metrics.log(1, row(1))
         metrics.log(2, row(2))
     events = EventAccumulator(str(tmp_path / "tb"))
@@ -233,19 +245,49 @@ def test_tensorboard_tracker_writes_events(tmp_path):
 
 @pytest.mark.parametrize(
     "key",
-    ["aws_secret_access_key", "AWS_SECRET_ACCESS_KEY", "aws_access_key_id", "WANDB_API_KEY", "wandb_api_key", "apiKey",
-     "hf_token", "HF_TOKEN", "hfToken", "token", "password", "db_password", "client_secret", "secret", "private_key",
-     "github-token", "credentials", "key"],
-)  # fmt: skip
+    [
+        "aws_secret_access_key",
+        "AWS_SECRET_ACCESS_KEY",
+        "aws_access_key_id",
+        "WANDB_API_KEY",
+        "wandb_api_key",
+        "apiKey",
+        "hf_token",
+        "HF_TOKEN",
+        "hfToken",
+        "token",
+        "password",
+        "db_password",
+        "client_secret",
+        "secret",
+        "private_key",
+        "github-token",
+        "credentials",
+        "key",
+    ],
+)
 def test_secret_keys(key):
     assert is_secret_key(key)
 
 
 @pytest.mark.parametrize(
     "key",
-    ["max_tokens", "max_new_tokens", "num_tokens", "mask_token_id", "eos_token", "pad_token", "tokenizer",
-     "keep_checkpoints", "linear_key_head_dim", "num_key_value_heads", "lr", "monkey", "token_budget_per_rank"],
-)  # fmt: skip
+    [
+        "max_tokens",
+        "max_new_tokens",
+        "num_tokens",
+        "mask_token_id",
+        "eos_token",
+        "pad_token",
+        "tokenizer",
+        "keep_checkpoints",
+        "linear_key_head_dim",
+        "num_key_value_heads",
+        "lr",
+        "monkey",
+        "token_budget_per_rank",
+    ],
+)
 def test_ordinary_keys(key):
     assert not is_secret_key(key)
 

@@ -23,8 +23,9 @@ def test_measured_tau_on_gpu_decodes_the_master_weights_on_the_engine(monkeypatc
     assert next(s.drafter.parameters()).dtype == torch.float32
     decoded_with = []
     engine_decode = engine_loop.engine_decode
-    monkeypatch.setattr(engine_loop, "engine_decode",
-                        lambda *a, **kw: decoded_with.append(kw["drafter"]) or engine_decode(*a, **kw))  # fmt: skip
+    monkeypatch.setattr(
+        engine_loop, "engine_decode", lambda *a, **kw: decoded_with.append(kw["drafter"]) or engine_decode(*a, **kw)
+    )
     tau = measure_tau(cfg, s)
     assert [next(d.parameters()).dtype for d in decoded_with] == [torch.bfloat16] * 4
     assert tau > 2.0  # the shipped drafter: ~4.7 on the held-out prompts; a copy without its weights drafts ~1.0

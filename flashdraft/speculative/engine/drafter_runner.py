@@ -46,8 +46,12 @@ class DrafterRunner:
         for layer in self.layers:
             attn = layer.self_attn
             shape = (attn.k_proj.out_features // attn.head_dim, self.slots, attn.head_dim)
-            self.kv.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
-                            torch.zeros(shape, dtype=self.dtype, device=self.device)))  # fmt: skip
+            self.kv.append(
+                (
+                    torch.zeros(shape, dtype=self.dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.dtype, device=self.device),
+                )
+            )
         self.cos, self.sin = ops.rope_table(drafter.rotary_emb, self.slots, self.dtype, self.device)
         self.slot_index = torch.arange(self.slots, device=self.device)
         self.block_index = torch.arange(bs, device=self.device)

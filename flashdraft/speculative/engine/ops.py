@@ -225,15 +225,29 @@ def delta_rule(q, k, v, a, beta, A_log, dt_bias, state, output_final_state: bool
     chunk, recurrent = _fla_rules()
     if chunked:
         out, final = chunk(
-            q[None], k[None], v[None], g=log_decay(a, A_log, dt_bias)[None], beta=beta[None],
-            initial_state=state[None], output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
-        )  # fmt: skip
+            q[None],
+            k[None],
+            v[None],
+            g=log_decay(a, A_log, dt_bias)[None],
+            beta=beta[None],
+            initial_state=state[None],
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=True,
+        )
     else:
         out, final = recurrent(
-            q[None], k[None], v[None], g=a[None], beta=beta[None], initial_state=state[None],
-            output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            A_log=A_log, dt_bias=dt_bias,
-        )  # fmt: skip
+            q[None],
+            k[None],
+            v[None],
+            g=a[None],
+            beta=beta[None],
+            initial_state=state[None],
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            A_log=A_log,
+            dt_bias=dt_bias,
+        )
     return out[0], (final[0] if final is not None else None)
 
 

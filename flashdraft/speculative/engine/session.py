@@ -56,8 +56,9 @@ class Session:
             self.capture_error = f"{type(exc).__name__}: {exc}"
             for step in getattr(owner, "steps", {"draft": getattr(owner, "step", None)}).values():
                 step.reset()
-            warnings.warn(f"flashdraft engine: CUDA graph capture failed, running eagerly ({self.capture_error})",
-                          stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"flashdraft engine: CUDA graph capture failed, running eagerly ({self.capture_error})", stacklevel=3
+            )
 
     def close(self) -> None:
         """Release the CUDA graphs now (steps and engines reference each other: left to the cyclic garbage

@@ -415,8 +415,9 @@ class TargetEngine:
         beta = b.sigmoid()
         q, k, v = self._split_qkv(module, qkv)
         advance, chunked = mode != "verify", mode == "prefill" and length > SHORT_PREFILL
-        out, final = ops.delta_rule(q, k, v, a, beta, module.A_log, module.dt_bias, recurrent,
-                                    output_final_state=advance, chunked=chunked)  # fmt: skip
+        out, final = ops.delta_rule(
+            q, k, v, a, beta, module.A_log, module.dt_bias, recurrent, output_final_state=advance, chunked=chunked
+        )
         if mode == "prefill":
             conv.copy_(ops.conv_tail(conv, inputs, self.prefill_keep))
         if advance:

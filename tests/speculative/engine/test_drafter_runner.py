@@ -68,8 +68,9 @@ def test_runner_equals_the_drafter_forward(kind, config):
 
 def test_drafter_must_read_the_engine_features():
     target = tiny_target("qwen3", seed=0)
-    drafter = DFlashDraftModel.from_target(target.config, num_layers=1, block_size=4, mask_token_id=MASK,
-                                           target_layer_ids=[1])  # fmt: skip
+    drafter = DFlashDraftModel.from_target(
+        target.config, num_layers=1, block_size=4, mask_token_id=MASK, target_layer_ids=[1]
+    )
     engine = TargetEngine(target, max_len=16, block_size=4, feature_layers=[2])
     with pytest.raises(ValueError, match="target layers"):
         DrafterRunner(drafter.to(torch.float64), engine)

@@ -16,8 +16,7 @@ FAMILIES = ["qwen3_5", "qwen3"]
 BLOCK_SIZES = (2, 4, 16)
 
 
-@pytest.fixture(scope="module", params=[(f, c) for f in FAMILIES for c in CONFIGS],
-                ids=lambda p: f"{p[0]}-{p[1].id}")  # fmt: skip
+@pytest.fixture(scope="module", params=[(f, c) for f in FAMILIES for c in CONFIGS], ids=lambda p: f"{p[0]}-{p[1].id}")
 def setup(request):
     """(target, random drafter, prompts with the target's greedy continuations, device, graphs)."""
     family, config = request.param
@@ -102,8 +101,9 @@ def test_every_acceptance_length_and_stops(setup, block_size, error_rate):
             sess = session.session(
                 target, prompt.shape[1] + max_new, block_size, list(drafter.target_layer_ids), graphs
             )
-            sess.runners[id(drafter)] = ScriptedRunner(drafter, sess.engine, prompt[0].tolist() + expected,
-                                                       error_rate, seed=i)  # fmt: skip
+            sess.runners[id(drafter)] = ScriptedRunner(
+                drafter, sess.engine, prompt[0].tolist() + expected, error_rate, seed=i
+            )
             result = generate(target, drafter, prompt, max_new, block_size=block_size, engine=True)
             assert result.tokens == expected, f"prompt {i}"
             _check_stats(result, block_size)
@@ -112,8 +112,9 @@ def test_every_acceptance_length_and_stops(setup, block_size, error_rate):
                 assert generate(target, drafter, prompt, n, block_size=block_size, engine=True).tokens == expected[:n]
             stop = expected[len(expected) // 2]
             cut = expected[: expected.index(stop) + 1]
-            result = generate(target, drafter, prompt, max_new, block_size=block_size, stop_token_ids=[stop],
-                              engine=True)  # fmt: skip
+            result = generate(
+                target, drafter, prompt, max_new, block_size=block_size, stop_token_ids=[stop], engine=True
+            )
             assert result.tokens == cut and result.stopped
         session.drop_session(target)  # and the scripted runners with it
     assert {0, block_size - 1} <= seen
@@ -191,8 +192,9 @@ def test_speculative_sampling_equals_target_distribution(case, config):
     with ready(target):
         expected = _exact_joint_of_tokens_2_and_3(target, temperature, top_p, top_k).cpu()
         for _ in range(trials):
-            r = generate(target, drafter, prompt, max_new, temperature, top_p, top_k, block_size=3, generator=g,
-                         engine=True)  # fmt: skip
+            r = generate(
+                target, drafter, prompt, max_new, temperature, top_p, top_k, block_size=3, generator=g, engine=True
+            )
             counts[r.tokens[1], r.tokens[2]] += 1
             accepted_any += any(a > 1 for a in r.acceptance_lengths)
     pvalue = chi_square_pvalue(counts, expected)
