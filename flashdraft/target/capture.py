@@ -36,7 +36,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 def glue_compile_enabled(options, device: torch.device) -> bool:
     """`target.compile` resolved for `device` (`options`: the config's target section). auto compiles on CUDA, where
-    it bought 7% of a 27B step at 32K tokens on the H200 (bench/RESULTS.md, session 9), but not a sharded target
+    it bought 7% of a 27B step at 32K tokens on the H200 (bench/RESULTS.md), but not a sharded target
     (`target.shard`: FSDP2's gathered layers have not been tried compiled) nor on the CPU (a C++ toolchain, and
     tiny targets gain nothing)."""
     return resolve_switch("target.compile", options.compile, device.type == "cuda" and not options.shard)

@@ -98,8 +98,8 @@ def cached_attention(
     probs @ values reduces over all S slots into a small (rows x d) output: one GEMM has few output tiles to
     spread over the GPU, each reducing over all slots. Long caches are therefore split into chunks of
     ATTENTION_CHUNK slots, each a GEMM of the batch, and the partial outputs summed (in float32 for half
-    precision; split-K by hand, as flash-decoding splits the keys). bench/RESULTS.md (2026-12-03, session 6) has
-    the A/B runs.
+    precision; split-K by hand, as flash-decoding splits the keys). bench/RESULTS.md has the
+    engine's timings.
     """
     heads, length, dim = query.shape
     kv_heads, slots = keys.shape[:2]
