@@ -16,10 +16,9 @@ LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 4)
 
 @pytest.fixture
 def flashdraft(monkeypatch):
-    """Run the real `flashdraft` CLI with `prepare` registered (as cli.py wires it)."""
+    """Run the real `flashdraft prepare` command."""
     from flashdraft import cli
 
-    monkeypatch.setitem(cli.SUBCOMMANDS, "prepare", "flashdraft.data.prepare")
     return lambda *argv: cli.main(["prepare", "--no-progress", "--workers", "1", *map(str, argv)])
 
 

@@ -127,7 +127,6 @@ def test_no_credentials(moto_server, no_aws, monkeypatch, tmp_path, tokenizer_di
 
     from flashdraft import cli
 
-    monkeypatch.setitem(cli.SUBCOMMANDS, "prepare", "flashdraft.data.prepare")
     code = cli.main(
         [
             "prepare",
