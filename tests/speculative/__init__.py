@@ -167,7 +167,8 @@ def recorded_forwards(target):
     records, starts = [], []
 
     def before(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        # transformers 5.24 renamed the forward's `past_key_values` to `cache`; the loop passes whichever it takes.
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         starts.append(rollback.kv_length(cache) if cache is not None else 0)
 
     def after(module, args, kwargs, output):
