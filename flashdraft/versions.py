@@ -19,7 +19,7 @@ from packaging.version import Version
 SUPPORTED = {
     "torch": ("2.11", "2.16"),
     "transformers": ("5.14", "5.26"),
-    "triton": ("3.5", "3.9"),  # 3.9's interpreter rejects a mask of the conv kernel (CPU tests)
+    "triton": ("3.5", "3.10"),
 }
 # transformers 5.24 renamed the cache keyword of model forwards (`past_key_values` -> `cache`).
 CACHE_RENAMED = Version("5.24")

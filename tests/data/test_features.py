@@ -16,7 +16,7 @@ from flashdraft.train import loop, setup
 from flashdraft.train.setup import load_inputs
 from tests.data.conftest import moto_server, no_aws, s3  # noqa: F401 (the moto S3 fixtures of tests/data)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # batch_size 1: the online trainer then captures each sequence alone, exactly as the features command does.
 RUN = [
     "train.max_steps=3",

@@ -28,9 +28,29 @@ SHAPES = {
 UPDATE_SHAPES = {"cpu": (3, 37), "cuda": (64, 10240)}
 
 
+def _label_comparisons_as_int1():
+    """Triton 3.9's interpreter labels a comparison with its operands' type (int32 for `p >= 0`), so a scalar
+    comparison broadcast into a mask becomes an int32 array its `load` rejects ("mask has unsupported dtype").
+    A compiled kernel types comparisons as int1; relabel them the same way under the interpreter."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    for name in [n for n in vars(builder) if n.startswith(("create_icmp", "create_fcmp"))]:
+        compare = getattr(builder, name)
+
+        def typed(self, lhs, rhs, compare=compare):
+            out = compare(self, lhs, rhs)
+            return interpreter.TensorHandle(out.data.astype(np.bool_), tl.int1)
+
+        setattr(builder, name, typed)
+
+
 def _import_kernels():
     if CUDA:
         return importlib.import_module("flashdraft.kernels.causal_conv1d")
+    _label_comparisons_as_int1()
     ours = lambda name: name == "flashdraft.kernels" or name.startswith("flashdraft.kernels.")
     # Triton itself stays in its normal mode (imported first, without the variable): only our kernels are
     # interpreted, and they call no @jit function of Triton's library (see forward.py).

@@ -99,19 +99,6 @@ def test_rollback_reports_what_the_cache_kept(target):
             rollback.rollback(cache, snap, 99)
 
 
-def _counts_linear_tokens() -> bool:
-    from transformers.cache_utils import LinearAttentionLayer
-
-    return hasattr(LinearAttentionLayer(), "cumulative_length_linear")
-
-
-@pytest.mark.xfail(
-    _counts_linear_tokens(),
-    strict=True,
-    reason="transformers counts the tokens of each linear-attention cache layer (cumulative_length_linear) and "
-    "answers cache.get_seq_length() from layer 0 with it; rollback.restore puts the states back but not that "
-    "counter, so later tokens get positions shifted by the rolled-back ones (remove this mark with the fix)",
-)
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_rollback_puts_back_the_length_the_model_reads(family):
     """The model takes the positions of new tokens from `cache.get_seq_length()`: a rollback must restore it."""

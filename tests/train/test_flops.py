@@ -85,7 +85,7 @@ def test_a_given_peak_wins_and_a_cpu_has_none(gpu):
 
 def _window_stats():
     """LossStats of a log window: 3 of 4 positions right, on a drafter of block size 3."""
-    from flashdraft.drafter.recipe import LossStats
+    from flashdraft.train.loss.stats import LossStats
 
     return LossStats(
         loss_sum=torch.tensor(8.0),
