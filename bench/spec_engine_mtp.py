@@ -146,6 +146,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "smoke": a.smoke,
         "target_layers": 8 if a.smoke else a.layers,
         "block_size": BLOCK,
         "mtp_drafts": a.mtp_drafts,
@@ -175,10 +176,14 @@ def main() -> None:
 
 def print_table(report: dict) -> None:
     columns = list(report["timings"])
+    what = (
+        "tiny hybrid target, CPU, graphs off (smoke)"
+        if report["smoke"]
+        else (f"{report['target_layers']}-layer Qwen3.5-27B-shaped random target")
+    )
     print(
-        f"\n### MTP on the engine beside DFlash: {report['target_layers']}-layer Qwen3.5-27B-shaped random target, "
-        f"batch 1, verification block {BLOCK}, {report['mtp_drafts']} MTP drafts; {report['device']}, torch "
-        f"{report['torch']}, transformers {report['transformers']}"
+        f"\n### MTP on the engine beside DFlash: {what}, batch 1, verification block {BLOCK}, {report['mtp_drafts']} "
+        f"MTP drafts; {report['device']}, torch {report['torch']}, transformers {report['transformers']}"
     )
     print("| ms | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))

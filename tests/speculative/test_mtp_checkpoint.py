@@ -160,19 +160,37 @@ class _Records(logging.Handler):
         self.messages.append(f"{record.levelname}: {record.getMessage()}")
 
 
-def test_the_bundled_target_ships_an_mtp_head_that_transformers_leaves_out_quietly(recwarn):
-    """The bundled target carries its MTP head in the released names; transformers loads the target from the same
-    file with no warning and no log message at WARNING or above, and the head loads through the same loader."""
+def _loud_transformers_records(load) -> tuple[object, list[str]]:
+    """(load(), the messages transformers logged at WARNING or above while it ran)."""
     from transformers.utils import logging as hf_logging
 
     records = _Records()
     logger = hf_logging.get_logger("transformers")
     logger.addHandler(records)
     try:
-        target = bundled.build_target(dtype=torch.float32)
+        result = load()
     finally:
         logger.removeHandler(records)
-    loud = [m for m in records.messages if m.split(":")[0] in ("WARNING", "ERROR", "CRITICAL")]
+    return result, [m for m in records.messages if m.split(":")[0] in ("WARNING", "ERROR", "CRITICAL")]
+
+
+def test_mtp_tensors_a_model_class_does_not_expect_are_reported(tmp_path):
+    """The check below sees transformers' load report: a Qwen3 class (which ships no MTP layer, so does not skip
+    mtp.*) reports the tensor as unexpected."""
+    from transformers import AutoModelForCausalLM
+
+    target = tiny_target("qwen3", dtype=torch.float32, seed=7)
+    target.save_pretrained(tmp_path)
+    weights = {**load_file(tmp_path / "model.safetensors"), "mtp.fc.weight": torch.zeros(2, 2)}
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    _, loud = _loud_transformers_records(lambda: AutoModelForCausalLM.from_pretrained(tmp_path))
+    assert any("mtp.fc.weight" in m for m in loud), loud
+
+
+def test_the_bundled_target_ships_an_mtp_head_that_transformers_leaves_out_quietly(recwarn):
+    """The bundled target carries its MTP head in the released names; transformers loads the target from the same
+    file with no warning and no log message at WARNING or above, and the head loads through the same loader."""
+    target, loud = _loud_transformers_records(lambda: bundled.build_target(dtype=torch.float32))
     assert not loud, loud
     # Python warnings of the load itself (fla's note that Triton needs a GPU, on a CPU machine, is not one).
     from_load = [str(w.message) for w in recwarn.list if "transformers" in w.filename or "mtp" in str(w.message)]
