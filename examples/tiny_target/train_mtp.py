@@ -11,15 +11,16 @@ time feed the head its own output; it is not trained on that, as far as Qwen has
 
 Data (seeded): the last `--seq` tokens of each of the package's regenerated rows (bundled/train.jsonl: the
 target's own continuations at T=0 and T=1 of training-file prompts) and `--windows` random windows of the standard
-library's training files (train.u16, what the target was trained on). The target's hidden states are computed
-once, by flashdraft's engine (its token-by-token delta rule is several times faster on a CPU than transformers'
-chunked fallback). Held out: windows of heldout.u16 (files neither the target nor its drafter saw); reported there:
-the loss, and the agreement — how often the head's argmax at t equals the target's own argmax at t + 1, which is
-the first draft's acceptance rate at T=0 under teacher forcing.
+library's training files (train.u16, what the target was trained on). The target's final-normed hidden states are
+computed once, by flashdraft's engine, and cached in `--out` (target_states.safetensors, reused while the data
+arguments stay the same). Held out: windows of heldout.u16 (files neither the target nor its drafter saw);
+reported there: the loss, and the agreement — how often the head's argmax at t equals the target's own argmax at
+t + 1, which is the first draft's acceptance rate at T=0 under teacher forcing.
 
-Prints the loss curve; writes metrics.jsonl, summary.json and the head (mtp_head.safetensors, bf16) to `--out`. `--ship` writes the head (bf16) into the
-bundled target's model.safetensors as `mtp.*` tensors and sets `mtp_num_hidden_layers: 1` in its config.json
-(`flashdraft.target.mtp.write_mtp`), the layout the loader reads from real checkpoints.
+Prints the loss curve; writes metrics.jsonl, summary.json and the head (mtp_head.safetensors, bf16) to `--out`.
+`--ship` writes the head (bf16) into the bundled target's model.safetensors as `mtp.*` tensors and sets
+`mtp_num_hidden_layers: 1` in its config.json (`flashdraft.target.mtp.write_mtp`), the layout the loader reads from
+real checkpoints.
 """
 
 from __future__ import annotations
@@ -128,12 +129,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--windows", type=int, default=768, help="standard-library training windows beside the rows")
     p.add_argument("--heldout", type=int, default=48, help="held-out windows")
-    p.add_argument("--steps", type=int, default=420)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--eval-every", type=int, default=105)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--threads", type=int, default=1, help="1 trains fastest on a busy 2-core machine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ship", action="store_true", help="write the head into the package's bundled target")
     a = p.parse_args(argv)

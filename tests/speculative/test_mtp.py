@@ -159,12 +159,14 @@ def _sample_tokens_2_and_3(biased: bool, monkeypatch) -> tuple[float, int, int]:
     return chi_square_pvalue(counts, expected), accepted_any, trials
 
 
+@pytest.mark.slow
 def test_mtp_sampling_equals_target_distribution(monkeypatch):
     pvalue, accepted_any, trials = _sample_tokens_2_and_3(False, monkeypatch)
     assert pvalue > P_MIN, f"p-value {pvalue:.3g}"  # a false alarm once in 1000 runs of a correct sampler
     assert 0.05 * trials < accepted_any < 0.95 * trials  # both acceptance and rejection were exercised
 
 
+@pytest.mark.slow
 def test_the_sampling_check_detects_drafts_verified_against_the_wrong_q(monkeypatch):
     pvalue, _, _ = _sample_tokens_2_and_3(True, monkeypatch)
     assert pvalue < P_MIN, f"p-value {pvalue:.3g}"
