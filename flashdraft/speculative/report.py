@@ -164,6 +164,7 @@ def write_plot(report: dict, path: str | Path) -> None:
         taus = [report["methods"][m]["tau"] for m in methods]
         bars = right.bar([LABELS[m] for m in methods], taus, color=[COLORS[m] for m in methods])
         right.bar_label(bars, labels=[_fmt(report["methods"][m]["speedup"], 2, "x") for m in methods])
+        right.margins(y=0.12)  # room for the labels above the tallest bar
         right.set(ylabel="tau (bar labels: speedup over AR)", title="tau per method")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -127,11 +127,21 @@ def _color_mask(pixels, rgb):
     return (pixels - torch.tensor(rgb) / 255).abs().amax(-1) < 0.02
 
 
+def _longest_run(column) -> int:
+    best = run = 0
+    for hit in column.tolist():
+        run = run + 1 if hit else 0
+        best = max(best, run)
+    return best
+
+
 def _bar_heights(mask) -> list[float]:
-    """Heights (pixels) of the runs of columns in which `mask` holds, left to right."""
+    """Heights (pixels) of the bars `mask` marks, left to right: for each run of columns in which it holds, the
+    longest unbroken vertical stretch in its middle column (anti-aliased text of a similar colour above or below a
+    bar does not count)."""
     columns = mask.any(0).int().tolist()
     edges = [i for i in range(1, len(columns)) if columns[i] != columns[i - 1]]
-    return [float(mask[:, a:b].sum(0).max()) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+    return [float(_longest_run(mask[:, (a + b) // 2])) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
 def _assert_plot_drawn(path, report):
