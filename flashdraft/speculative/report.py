@@ -158,6 +158,8 @@ def write_plot(report: dict, path: str | Path) -> None:
             taus = [row["methods"][method]["tau"] for row in report["context_lengths"]]
             right.plot(lengths, taus, marker="o", color=COLORS[method], label=LABELS[method])
         right.set(xscale="log", xlabel="context length (tokens)", ylabel="tau", title="tau by context length")
+        right.set_xticks(lengths, [str(n) for n in lengths])
+        right.minorticks_off()
         right.legend()
     else:
         methods = list(report["methods"])
