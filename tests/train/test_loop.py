@@ -17,8 +17,12 @@ from safetensors.torch import load_file
 from flashdraft import bundled
 from flashdraft.config import load_config, to_dict
 from flashdraft.train import loop
+from tests.train.drawn import curve_pixels
 
 PLOT = importlib.util.find_spec("matplotlib") is not None  # the plot extra; without it no curve, and a notice
+# Decoding with the shipped drafter on the bundled target: a step's simulated tau was 1.48-3.75 and the measured tau
+# 1.75 (one prompt, 8 tokens) when written; a drafter that accepts nothing gives about 1.0.
+TAU_FLOOR = 1.3
 SHORT = [
     "train.max_steps=6",
     "log.every=1",
@@ -50,14 +54,16 @@ def test_outputs_of_a_run(full_run):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     for r in rows:
         assert {"loss", "sim_tau", "acc", "tok_s", "draft_tok_s", "lr"} <= set(r)
-        assert r["loss"] > 0 and r["sim_tau"] >= 1 and len(r["acc"]) == 15  # block 16: positions 1..15
+        # The shipped drafter accepts more than one token per block on its own data (a random one: about 1.0).
+        assert r["loss"] > 0 and r["sim_tau"] > TAU_FLOOR and len(r["acc"]) == 15  # block 16: positions 1..15
     if PLOT:
-        assert (out / "training_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        loss, tau = curve_pixels(out / "training_curve.png")
+        assert loss.sum() > 20 and tau.sum() > 20
     else:
         assert result.curve is None and not (out / "training_curve.png").exists()
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000003", "step_00000006"]
     assert (out / "checkpoints" / "step_00000006" / "drafter" / "model.safetensors").is_file()
-    assert result.measured_tau is not None and result.measured_tau >= 1
+    assert result.measured_tau is not None and result.measured_tau > TAU_FLOOR
     assert json.loads((out / "measured_tau.json").read_text())["tau"] == result.measured_tau
     # The bundled default fine-tunes the shipped drafter, trained for the shipped target: its first loss is far
     # below even a uniform guess's log(vocab) (the next test: a fresh drafter's is far above it).
@@ -94,7 +100,7 @@ def test_periodic_real_tau_is_logged_and_leaves_training_unchanged(full_run, tmp
     loop.train(_cfg(out, "log.eval_every=3"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "tau" in r] == [3]  # the last step's τ is the final measurement
-    assert rows[2]["tau"] >= 1
+    assert rows[2]["tau"] > TAU_FLOOR
     assert _losses(out) == _losses(full)  # decoding in between draws no training randomness
 
 
