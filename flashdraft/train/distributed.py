@@ -69,9 +69,14 @@ def launched() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
+def initialized() -> bool:
+    """Whether a process group is initialised (under torchrun, inside `session`)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def world() -> World:
     """This process's place in the job; rank 0 of 1 when no process group is initialised."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not initialized():
         return World()
     return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
 
