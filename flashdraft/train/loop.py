@@ -209,7 +209,7 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
     """One optimizer step over `grad_accum` micro-batches; the loss is normalised over the whole step.
 
     Returns (loss stats, sequence tokens, finite). A non-finite loss or gradient norm applies no update.
-    `mark(phase)` (benchmarks: `flashdraft.train.bench`) is called as each phase has been queued: "target",
+    `mark(phase)` (benchmarks: `flashdraft.train.step_timing`) is called as each phase has been queued: "target",
     "drafter_fwd", "loss", "drafter_bwd" per micro-batch, then "optimizer".
     """
     mark = mark or _no_mark
