@@ -38,7 +38,7 @@ import torch
 
 from bench import naive_train_step as naive
 from bench.anchors import fla_kernels
-from flashdraft.train import bench as fbench
+from flashdraft.train import step_timing
 
 MASK_TOKEN = 248070
 
@@ -155,7 +155,7 @@ def run_naive(model, d, seq, device, dtype, warmup, steps, flops) -> dict:
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device == "cuda")
     generator = torch.Generator(device=device).manual_seed(2)
     try:
-        result = fbench.measure(
+        result = step_timing.measure(
             naive.make_step(model, drafter, optimizer, d, seq, device, generator), torch.device(device), warmup, steps
         )
     except torch.cuda.OutOfMemoryError as exc:
@@ -187,9 +187,9 @@ def fbench_peak(device: str):
 
 def run_flashdraft(target, d, seq, device, warmup, steps, overrides, label="flashdraft") -> dict:
     cfg = flashdraft_config(d, seq, device, overrides)
-    s = fbench.bench_setup(cfg, target, steps=warmup + steps)
+    s = step_timing.bench_setup(cfg, target, steps=warmup + steps)
     try:
-        result = fbench.run_train_step(s, cfg, warmup=warmup, steps=steps)
+        result = step_timing.run_train_step(s, cfg, warmup=warmup, steps=steps)
     except torch.cuda.OutOfMemoryError as exc:
         result = {"error": f"OOM: {str(exc)[:160]}"}
     free(s)
@@ -324,7 +324,7 @@ def main() -> None:
     if not args.skip_naive:
         for seq in seqs:
             rows.append(run_naive(model, d, seq, device, dtype, args.warmup, args.steps, flops[seq]))
-            print(fbench.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
+            print(step_timing.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
 
     from flashdraft.target import FrozenTarget
 
@@ -351,11 +351,11 @@ def main() -> None:
             t1 = time.time()
             rows.append(run_flashdraft(target, d, seq, device, args.warmup, args.steps, overrides, label))
             rows[-1]["wall_incl_compile_s"] = time.time() - t1
-            print(fbench.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
+            print(step_timing.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
 
     summary = compare(rows, seqs)
     report = {
-        "machine": fbench.machine(),
+        "machine": step_timing.machine(),
         "smoke": args.smoke,
         "flops_per_step": {str(k): v for k, v in flops.items()},
         "results": rows,
@@ -367,7 +367,7 @@ def main() -> None:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=1)
     print(f"\n{json.dumps(summary)}\n{time.time() - t0:.0f} s in all" + (f"; wrote {args.json}" if args.json else ""))
-    print(fbench.table([r for r in rows if "step_s" in r]))
+    print(step_timing.table([r for r in rows if "step_s" in r]))
     for r in rows:
         if r["variant"] == "target profile":
             print_target_profile(r)

@@ -54,7 +54,7 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "
 
 
 def _fs(url: str, s3=None):
-    from flashdraft.data.sources import open_fs
+    from flashdraft.data.remote import open_fs
 
     return open_fs(url, s3=s3)
 
@@ -272,7 +272,7 @@ class FeatureStore:
 
     def _read(self, name: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a file, read again when an object store cuts the transfer off."""
-        from flashdraft.data.sources import read_again_if_cut_off
+        from flashdraft.data.remote import read_again_if_cut_off
 
         path = f"{self.root}/{name}"
         return read_again_if_cut_off(lambda: self.fs.cat_file(path, start=start, end=end), self.attempts, path)

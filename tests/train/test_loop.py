@@ -248,7 +248,7 @@ def test_static_shapes_pad_without_changing_loss_or_gradients():
     drafter sees that one shape, and the step's loss and gradients are those of the unpadded batch. On the CPU, in
     float32, where the padding changes no kernel's reduction order (on a GPU it does, by ~3e-5 relative: the GPU
     test below compares within bf16 tolerances instead)."""
-    from flashdraft.train import bench
+    from flashdraft.train import step_timing
 
     overrides = [
         "data.max_length=40",
@@ -261,8 +261,8 @@ def test_static_shapes_pad_without_changing_loss_or_gradients():
         static: load_config(bundled.ASSETS / "train.yaml", [*overrides, f"train.static_shapes={static}"])
         for static in ("false", "true")
     }
-    target, tokenizer = bench.load_bench_target(cfg["false"])
-    s = bench.bench_setup(cfg["false"], target, tokenizer=tokenizer, steps=2)
+    target, tokenizer = step_timing.load_bench_target(cfg["false"])
+    s = step_timing.bench_setup(cfg["false"], target, tokenizer=tokenizer, steps=2)
     s.data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
     shapes = []
     s.drafter.register_forward_pre_hook(
@@ -299,19 +299,19 @@ def test_compiled_flex_steps_over_ragged_batches_on_gpu():
     train.compile the shapes are static (train.static_shapes=auto), and each step's loss is the eager SDPA loss of
     the unpadded batch, up to bf16 rounding. The fast run also compiles the target's glue (target.compile=auto), over
     the batches' four lengths."""
-    from flashdraft.train import bench
+    from flashdraft.train import step_timing
 
     base = ["data.max_length=40", "recipe.num_anchors=6", "train.batch_size=2", "train.grad_accum=1"]
     eager = load_config(
         bundled.ASSETS / "train.yaml", [*base, "train.attention=sdpa", "train.compile=false", "target.compile=false"]
     )
     fast = load_config(bundled.ASSETS / "train.yaml", [*base, "train.attention=flex", "train.compile=true"])
-    target, tokenizer = bench.load_bench_target(eager)
+    target, tokenizer = step_timing.load_bench_target(eager)
     losses = {}
     for name, cfg in (("eager", eager), ("fast", fast)):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
+        s = step_timing.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
         s.data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
         optimizer = torch.optim.SGD(s.drafter.parameters(), lr=0.0)  # the same weights for both steps
         losses[name] = [float(loop.train_step(s, cfg, optimizer, step)[0].loss_sum) for step in (0, 1)]
