@@ -8,7 +8,8 @@ drafter for the same `--steps` on the same data with the same seed, one after th
 then decoded on the same held-out prompts (default: the package's 64, `flashdraft/bundled/eval.jsonl`) at T=0 and
 T=1, block 16; prompt lookup decodes the same prompts with the same settings once per temperature, at the start.
 Writes to --out: sweep.json (after every variant, so a cut-short sweep keeps what it measured), sweep.md (the
-table) and sweep.png (a bar chart; needs matplotlib). `--deadline-s` skips the variants that would end after it.
+table) and sweep.png (a bar chart; needs matplotlib). `--deadline-s` skips the variants that would end after it;
+`--redraw` rewrites the table and the chart from --out's sweep.json (e.g. on a machine with matplotlib).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0, help="sampling seed at T=1 (prompt i: seed + i)")
     p.add_argument("--deadline-s", type=float, default=None, help="skip variants that would end later than this")
+    p.add_argument("--redraw", action="store_true", help="only rewrite sweep.md and sweep.png from --out/sweep.json")
     a = p.parse_args(argv)
     a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     unknown = [v for v in a.variants if v not in VARIANTS]
@@ -194,7 +196,8 @@ def table(report: dict) -> str:
     ]
     for r in report["variants"]:
         if "tau_t0" not in r:
-            lines.append(f"| {r['name']} | – | – | – | – | – | – | skipped: {r.get('skipped', '?')} |")
+            why = f"skipped: {r['skipped']}" if "skipped" in r else f"failed: {r.get('failed', '?')}"
+            lines.append(f"| {r['name']} | – | – | – | – | – | – | {why} |")
             continue
         lines.append(
             f"| {r['name']} | {r['tau_t0']:.2f} | {r['tau_t1']:.2f} | {r['tau_t0'] / lookup['tau_t0']:.2f}× | "
@@ -205,6 +208,11 @@ def table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.redraw:
+        report = json.loads((a.out / "sweep.json").read_text())
+        write_report(a.out, report)
+        print(table(report))
+        return 0
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     start = time.perf_counter()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -227,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in TEMPERATURES:
         report["prompt_lookup"][f"tau_t{t:g}"], lookup_tokens[t] = decoder.run("prompt_lookup", t)
     print(f"prompt lookup: τ {report['prompt_lookup']} ({time.perf_counter() - start:.0f} s)", flush=True)
+    write_report(a.out, report)
     longest = 0.0
     for name in a.variants:
         row = {"name": name, "what": VARIANTS[name][0], "overrides": VARIANTS[name][1]}
@@ -237,16 +246,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: skipped (deadline)", flush=True)
             write_report(a.out, report)
             continue
-        row.update(train_variant(variant_config(a, name)))
-        drafter = decoder.drafter(row["drafter"])
-        for t in TEMPERATURES:
-            row[f"tau_t{t:g}"], tokens = decoder.run("dflash", t, drafter)
-            if t == 0:  # both decodings are lossless: each must be the target's greedy output
-                row["greedy_mismatches"] = sum(x != y for x, y in zip(tokens, lookup_tokens[t], strict=True))
-        row["eval_s"] = time.perf_counter() - began - row["train_s"]
-        longest = max(longest, time.perf_counter() - began)
-        del drafter
-        _release(decoder.target)
+        try:
+            measure(a, decoder, name, row, lookup_tokens)
+        except Exception as exc:  # one variant failing (out of memory, say) must not cost the others
+            row["failed"] = f"{type(exc).__name__}: {exc}"
+            print(f"{name}: failed: {row['failed']}", flush=True)
+            write_report(a.out, report)
+            continue
+        finally:
+            _release(decoder.target)
+            longest = max(longest, time.perf_counter() - began)
         print(
             f"{name}: τ {row['tau_t0']:.2f} (T=0) {row['tau_t1']:.2f} (T=1), train {row['train_s']:.0f} s at "
             f"{row['tok_s']:,.0f} tok/s, eval {row['eval_s']:.0f} s",
@@ -256,7 +265,19 @@ def main(argv: list[str] | None = None) -> int:
     report["total_s"] = time.perf_counter() - start
     write_report(a.out, report)
     print(table(report))
-    return 0
+    return 1 if any("failed" in r for r in report["variants"]) else 0
+
+
+def measure(a: argparse.Namespace, decoder: Decoder, name: str, row: dict, lookup_tokens: dict) -> None:
+    """Train variant `name` and decode with it at both temperatures, into `row`."""
+    began = time.perf_counter()
+    row.update(train_variant(variant_config(a, name)))
+    drafter = decoder.drafter(row["drafter"])
+    for t in TEMPERATURES:
+        row[f"tau_t{t:g}"], tokens = decoder.run("dflash", t, drafter)
+        if t == 0:  # both decodings are lossless: each must be the target's greedy output
+            row["greedy_mismatches"] = sum(x != y for x, y in zip(tokens, lookup_tokens[t], strict=True))
+    row["eval_s"] = time.perf_counter() - began - row["train_s"]
 
 
 def _release(target) -> None:

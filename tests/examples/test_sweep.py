@@ -1,6 +1,6 @@
 """examples/tiny_target/sweep.py end to end at the smallest size on the CPU: two variants trained from the same
 seed on the bundled data, decoded beside prompt lookup, the JSON, table and plot written; the deadline skips; a
-bad variant name stops before anything trains."""
+failing variant is reported and the others go on; a bad variant name stops before anything trains."""
 
 import importlib.util
 import json
@@ -69,6 +69,27 @@ def test_sweep_trains_and_measures_each_variant(tmp_path, capsys):
     assert table in capsys.readouterr().out
     if PLOT:
         assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "sweep.md").unlink()
+    assert sweep.main(["--out", str(tmp_path), "--redraw"]) == 0  # from sweep.json alone
+    assert (tmp_path / "sweep.md").read_text() == table
+
+
+def test_a_failing_variant_is_reported_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    sweep = load_sweep()
+    trained = []
+
+    def train_variant(cfg):
+        trained.append(cfg.recipe.loss)
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(sweep, "train_variant", train_variant)
+    assert sweep.main([*TINY, "--out", str(tmp_path), "--variants", "lk,gamma4"]) == 1
+    rows = json.loads((tmp_path / "sweep.json").read_text())["variants"]
+    assert trained == ["lk", "ce"] and all("out of memory" in r["failed"] for r in rows)
+    assert (
+        "| gamma4 | – | – | – | – | – | – | failed: RuntimeError: CUDA out of memory"
+        in (tmp_path / "sweep.md").read_text()
+    )
 
 
 def test_deadline_skips_and_bad_variants_stop(tmp_path):
