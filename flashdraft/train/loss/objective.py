@@ -16,7 +16,7 @@ Position weights (block position k = 1 … bs − 1):
   positions of the block, computed from the current drafter's own q and held constant in the gradient. A position
   weighs what its acceptance is worth to the expected accepted length, so the weight moves to whichever positions
   limit acceptance now. The loss is Σ w·ℓ / (labelled blocks): dividing by Σ w would cancel the credit mass the
-  weights carry (what the paper's author asked of implementations that did).
+  weights carry (a block whose drafts are all likely accepted should weigh more than one whose first draft fails).
 """
 
 from __future__ import annotations
