@@ -29,7 +29,7 @@ from flashdraft.train import data_parallel, distributed
 from flashdraft.train.checkpoint import CheckpointManager
 from flashdraft.train.compile import static_shapes
 from flashdraft.train.flops import step_flops
-from flashdraft.train.loss import dflash_loss
+from flashdraft.train.loss import Objective, dflash_loss
 from flashdraft.train.masks import attention_kind, drafter_mask
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.optim import build_optimizer, build_scheduler
@@ -224,7 +224,9 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
         step_blocks(s, cfg, ids, mask, idx, epoch, width) for (ids, mask, _), idx in zip(micro, indices, strict=True)
     ]
     # Over the whole global step (every micro-batch of every rank): each token weighs the same whatever the split.
-    denominator = data_parallel.all_sum(sum(b.weights.sum() for b in batches)).clamp(min=1e-6)
+    objective = Objective.from_recipe(cfg.recipe)
+    normalisers = sum(objective.normaliser(b.labels, b.weights, b.block_size) for b in batches)
+    denominator = data_parallel.all_sum(normalisers).clamp(min=1e-6)
     # Counted before the GPU work is queued: a host sync later would stall the queue between micro-batches.
     tokens = sum(int(attn.sum()) for _, _, attn in micro)
     total = None
@@ -248,6 +250,7 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
             batch.weights,
             block_size=batch.block_size,
             denominator=denominator,
+            objective=objective,
         )
         mark("loss")
         loss.backward()

@@ -248,6 +248,7 @@ def step_blocks(
             cfg.recipe.num_anchors,
             s.drafter.block_size,
             anchor_generator(cfg.train.seed, epoch, index),
+            cfg.recipe.anchor_sampling,
         )
         for row, index in enumerate(indices)
     ]

@@ -292,6 +292,45 @@ def test_static_shapes_pad_without_changing_loss_or_gradients():
         torch.testing.assert_close(padded_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_recipe_objective_reaches_the_loss(monkeypatch):
+    """recipe.loss / loss_weighting / anchor_sampling reach the step: every micro-batch's loss gets the recipe's
+    objective and, for D-PACE, the step's labelled blocks (both micro-batches) as its denominator."""
+    from flashdraft.train import bench
+    from flashdraft.train.loss import Objective
+    from flashdraft.train.loss.objective import labelled_blocks
+
+    recipe = ["recipe.loss=lk", "recipe.lk_eta=2", "recipe.loss_weighting=dpace", "recipe.anchor_sampling=stratified"]
+    overrides = ["data.max_length=40", "recipe.num_anchors=3", "train.batch_size=2", "train.grad_accum=2"]
+    cfg = load_config(bundled.ASSETS / "train.yaml", [*overrides, "train.device=cpu", *recipe])
+    target, tokenizer = bench.load_bench_target(cfg)
+    s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
+    s.data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
+    calls = []
+    real = loop.dflash_loss
+
+    def spy(hidden, head, labels, weights, **kwargs):
+        calls.append((labelled_blocks(labels, kwargs["block_size"]).sum().item(), kwargs))
+        return real(hidden, head, labels, weights, **kwargs)
+
+    monkeypatch.setattr(loop, "dflash_loss", spy)
+
+    class Drop:
+        def step(self):
+            pass
+
+        def zero_grad(self, set_to_none=True):
+            s.drafter.zero_grad(set_to_none=set_to_none)
+
+    stats, _, finite = loop.train_step(s, cfg, Drop(), 0)
+    assert finite and len(calls) == 2
+    blocks = sum(count for count, _ in calls)
+    assert blocks == 4 * 3  # every sequence has room for its 3 anchors
+    for _, kwargs in calls:
+        assert kwargs["objective"] == Objective("lk", 2.0, "dpace", 0.5)
+        assert float(kwargs["denominator"]) == blocks
+    assert float(stats.weight_sum) == blocks == int(stats.blocks)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compiled_flex_steps_over_ragged_batches_on_gpu():
