@@ -28,11 +28,12 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from flashdraft.ranks import World, world
 
 logger = logging.getLogger(__name__)
 
@@ -47,32 +48,9 @@ EXIT_PEER_FAILED = 1
 LONG_WAIT = timedelta(days=7)
 
 
-@dataclass(frozen=True)
-class World:
-    rank: int = 0
-    size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
 def launched() -> bool:
     """Whether this process was started by torchrun (or another launcher that sets WORLD_SIZE and RANK)."""
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
-
-
-def initialized() -> bool:
-    """Whether a process group is initialised (under torchrun, inside `session`)."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def world() -> World:
-    """This process's place in the job; rank 0 of 1 when no process group is initialised."""
-    if not initialized():
-        return World()
-    return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
 
 
 _session: _Session | None = None
@@ -242,11 +220,6 @@ def broadcast(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def barrier() -> None:
-    if world().size > 1:
-        dist.barrier()
 
 
 def launch(nproc: int, argv: list[str]) -> int:

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
-from flashdraft.train import distributed
+from flashdraft import ranks
 from flashdraft.train.checkpoint.manifest import (
     MANIFEST,
     SHARDED,
@@ -51,7 +51,7 @@ def restore(
     blobs = read_verified(path, entries, read)
     state = _json(path, "trainer_state.json", blobs)
     _check_drafter_config(_json(path, "drafter/config.json", blobs), model, path / "drafter" / "config.json")
-    if distributed.initialized() or sharded:
+    if ranks.initialized() or sharded:
         _load_state_dicts(path, model, optimizer, blobs)
     else:
         try:
@@ -69,7 +69,7 @@ def restore(
 
 def _verify_once(path: Path, entries: dict, names: list[str]) -> None:
     """Hash `names` against the manifest: on rank 0 under torchrun (the others take its verdict), else here."""
-    if not distributed.initialized():
+    if not ranks.initialized():
         check_hashes(path, entries, names)
         return
     import torch.distributed as dist

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from flashdraft import ranks
 from flashdraft.io import lock
 from flashdraft.io.atomic import atomic_write_text, replace_directory
 from flashdraft.io.space import room_for
-from flashdraft.train import distributed
 from flashdraft.train.checkpoint.load import restore
 from flashdraft.train.checkpoint.manifest import MANIFEST, CheckpointError, CheckpointFormatError, verify
 from flashdraft.train.checkpoint.rng import capture_rng_state
@@ -76,7 +76,7 @@ class CheckpointManager:
         # First, before anything else can draw a random number.
         rng = capture_rng_state(generators)
         state_json = trainer_state_json(step, trainer_state)
-        if distributed.initialized():
+        if ranks.initialized():
             return self._save_sharded(step, drafter, optimizer, scheduler, rng, state_json)
         final = self.path_for(step)
         with lock.hold(self.out, "train") as held, self._room(final, estimate_bytes(drafter, optimizer)):
@@ -198,7 +198,7 @@ class CheckpointManager:
 
         Under torchrun rank 0 verifies and tells the others (one rank hashes, not all).
         """
-        if distributed.initialized():
+        if ranks.initialized():
             import torch.distributed as dist
 
             box = [self._latest() if dist.get_rank() == 0 else None]
