@@ -337,8 +337,32 @@ def run_doctor(model_spec: str | None = None, probe_layers: int = 4, progress=No
         )
     checks[-1].seconds = round(time.perf_counter() - start, 2)
     progress(f"probe: {checks[-1].seconds:.1f} s")
+    if report is not None:
+        progress("fp8 linears (the probe model's linears as FP8 GEMMs, on a GPU with FP8) ...")
+        start = time.perf_counter()
+        checks.append(check_fp8(model))
+        checks[-1].seconds = round(time.perf_counter() - start, 2)
+        progress(f"fp8 linears: {checks[-1].seconds:.1f} s")
     ok = all(c.status != FAIL for c in checks)
     return {"ok": ok, "checks": [asdict(c) for c in checks], "layers": layers, "_report": report}
+
+
+def check_fp8(model) -> Check:
+    """`target.precision: fp8` here: the probe model's linears converted to FP8 and probed (after the bf16 probe,
+    which they leave behind: the model is not used again)."""
+    from flashdraft import fastpath
+    from flashdraft.fastpath import fp8
+
+    device = next(model.parameters()).device
+    reason = fp8.unsupported_reason(device)
+    if reason is not None:
+        return Check("fp8 linears", INFO, f"target.precision=fp8 unavailable: {reason}", "")
+    fp8.convert_linears(model)
+    report = fastpath.probe(model)
+    if report.fp8 is None:
+        return Check("fp8 linears", INFO, "the probe model has no linear that FP8 converts", "")
+    status = OK if report.fp8.ok else FAIL
+    return Check("fp8 linears", status, report.fp8.summary(), "" if status == OK else "use target.precision=bf16")
 
 
 def _tiny_families():

@@ -49,6 +49,8 @@ def test_capture_equals_output_hidden_states(family, dtype, layer_ids):
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_capture_with_right_padding(family):
+    """Every token's features equal those of the masked full model (the padding positions' are undefined: the
+    decoder runs unmasked, which causal layers make exact for right padding); other padding is refused."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (2, 11), generator=g)
     mask = torch.ones(2, 11, dtype=torch.long)
@@ -57,7 +59,10 @@ def test_capture_with_right_padding(family):
     target = FrozenTarget.from_model(build_tiny_target(family, LAYERS, dtype=torch.float64), [1, 4], strict=False)
     features = target.capture(ids, mask)
     expected = torch.cat([hidden_states[2], hidden_states[5]], dim=-1)
-    assert torch.equal(features, expected)
+    tokens = mask.bool()
+    torch.testing.assert_close(features[tokens], expected[tokens], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="only right padding"):
+        target.capture(ids, mask.flip(1))
 
 
 def test_frozen_embed_and_lm_head():
