@@ -120,7 +120,9 @@ def fp8_linears(root: nn.Module) -> list[tuple[str, FP8Linear]]:
 def unsupported_reason(device: torch.device) -> str | None:
     """Why `device` cannot run FP8 GEMMs, or None when it has FP8 tensor cores (compute capability 8.9+)."""
     if device.type != "cuda":
-        return f"the {device.type} device has no FP8 matrix multiplication (an NVIDIA GPU of compute capability 8.9+ has)"
+        return (
+            f"the {device.type} device has no FP8 matrix multiplication (an NVIDIA GPU of compute capability 8.9+ has)"
+        )
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < MIN_CAPABILITY:
         name = torch.cuda.get_device_name(device)
