@@ -66,7 +66,7 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        q, scale = quantize_rows(rows)
+        q, scale = quantize_rows(rows.contiguous())  # the GEMM takes its first operand row-major
         out = torch._scaled_mm(
             q,
             self.weight.t(),  # (in, out), column-major: the layout the GEMM wants

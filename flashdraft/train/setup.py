@@ -252,6 +252,8 @@ def pad_positions(t: torch.Tensor, width: int) -> torch.Tensor:
             f"a micro-batch of {t.shape[1]} positions is longer than data.max_length = {width}: prepare "
             "the data with this max_length, or set train.static_shapes=false"
         )
+    if t.shape[1] == width:
+        return t  # no copy: at 131072 tokens the features alone are gigabytes
     pad = [0, 0] * (t.ndim - 2) + [0, width - t.shape[1]]
     return torch.nn.functional.pad(t, pad)
 

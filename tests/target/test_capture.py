@@ -359,3 +359,24 @@ def test_fp8_target_on_the_gpu(family):
     assert ((compiled - eager).norm() / eager.norm()).item() < 1e-2
     with pytest.raises(ValueError, match="load the target again"):
         target.set_precision("bf16")
+
+
+def test_compiled_glue_of_an_fp8_target_keeps_its_features():
+    """`target.compile` with FP8 linears: the per-row quantization compiles (inside the MLPs, and alone for the
+    attention and Gated DeltaNet projections) without a graph break, and the features stay the eager ones."""
+    from torch._dynamo.utils import counters
+
+    from flashdraft.fastpath import fp8
+
+    model = build_tiny_target("qwen3_5", LAYERS, dtype=torch.float32)
+    fp8.convert_linears(model.model.layers)
+    target = FrozenTarget.from_model(model, [1, 3], strict=False)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    eager = target.capture(ids)
+    torch._dynamo.reset()
+    counters.clear()
+    lone = [m for m in target._glue_modules() if isinstance(m, fp8.FP8Linear)]
+    assert lone and all(m is not layer.mlp.down_proj for m in lone for layer in target.decoder.layers)
+    target.compile_glue()
+    torch.testing.assert_close(target.capture(ids), eager, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]
