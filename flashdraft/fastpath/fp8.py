@@ -65,7 +65,9 @@ class FP8Linear(nn.Module):
         return cls(linear.weight, linear.bias, fast_accum=fast_accum)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+        # Sizes from the tensors, not from int attributes: compiled (`target.compile`), every FP8 linear then
+        # shares one dynamic-shape graph instead of one per (in, out) pair.
+        rows = x.reshape(-1, x.shape[-1])
         q, scale = quantize_rows(rows.contiguous())  # the GEMM takes its first operand row-major
         out = torch._scaled_mm(
             q,
@@ -76,7 +78,7 @@ class FP8Linear(nn.Module):
             out_dtype=x.dtype,
             use_fast_accum=self.fast_accum,
         )
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out.reshape(*x.shape[:-1], self.weight.shape[0])
 
     def dequantized_weight(self) -> torch.Tensor:
         """(out, in) float32: the weight the GEMM really multiplies."""
