@@ -295,6 +295,27 @@ def compare(rows: list[dict], seqs: list[int]) -> dict:
     return out
 
 
+def write_report(args, rows: list[dict], seqs: list[int], flops: dict, t0: float) -> dict:
+    """Write --json (every row so far, the FLOP counts, the machine); returns the comparison. Called after each
+    row too, so that a run cut short by a time limit keeps what it measured."""
+    summary = compare(rows, seqs)
+    report = {
+        "machine": fbench.machine(),
+        "smoke": args.smoke,
+        "flops_per_step": {str(k): v for k, v in flops.items()},
+        "results": rows,
+        "comparison": summary,
+        "wall_s": time.time() - t0,
+    }
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        tmp = f"{args.json}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(report, fh, indent=1)
+        os.replace(tmp, args.json)
+    return summary
+
+
 def print_oom(rows: list[dict]) -> None:
     for r in rows:
         if "error" in r:
@@ -365,13 +386,14 @@ def main() -> None:
         for seq in seqs:
             rows.append(run_naive(model, d, seq, device, dtype, args.warmup, args.steps, flops[seq]))
             print(fbench.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
+            write_report(args, rows, seqs, flops, t0)
             free()
 
     from flashdraft.target import FrozenTarget
 
     target = FrozenTarget(model, list(d.layer_ids), config=full_config)
     print(f"flashdraft target fast path: {target.fastpath_report.summary()}", flush=True)
-    variants = [("flashdraft", list(args.overrides))]
+    variants = [("flashdraft" + (f"[{','.join(args.overrides)}]" if args.overrides else ""), list(args.overrides))]
     if args.ablate:
         variants += [
             ("flashdraft[eager]", [*args.overrides, "train.compile=false"]),
@@ -396,23 +418,12 @@ def main() -> None:
                 rows.append(run_flashdraft(target, d, seq, device, args.warmup, args.steps, overrides, label))
                 rows[-1]["wall_incl_compile_s"] = time.time() - t1
                 print(fbench.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
+                write_report(args, rows, seqs, flops, t0)
             if precision == "fp8" and args.profile_target:
                 rows.append(target_profile(target, d, seq, device) | {"variant": "target profile (fp8)"})
                 print_target_profile(rows[-1])
 
-    summary = compare(rows, seqs)
-    report = {
-        "machine": fbench.machine(),
-        "smoke": args.smoke,
-        "flops_per_step": {str(k): v for k, v in flops.items()},
-        "results": rows,
-        "comparison": summary,
-        "wall_s": time.time() - t0,
-    }
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=1)
+    summary = write_report(args, rows, seqs, flops, t0)
     print(f"\n{json.dumps(summary)}\n{time.time() - t0:.0f} s in all" + (f"; wrote {args.json}" if args.json else ""))
     print(fbench.table([r for r in rows if "step_s" in r]))
     print_oom(rows)

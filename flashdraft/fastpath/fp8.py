@@ -20,6 +20,8 @@ or the routing, for GEMMs too small to gain. A linear whose sizes are not multip
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
@@ -119,6 +121,65 @@ def fp8_linears(root: nn.Module) -> list[tuple[str, FP8Linear]]:
     return [(name, m) for name, m in root.named_modules() if isinstance(m, FP8Linear)]
 
 
+# ---- the probe's proof (fastpath.probe runs these hooks) -----------------------------------------------------------
+
+# An FP8 linear's bf16 output against the float32 product of its own FP8 operands: bf16 rounding (2^-9) and the
+# GEMM's faster accumulation stay well inside this; a wrong scale or layout is off by O(1).
+TOLERANCE = 2e-2
+
+
+@dataclass
+class FP8Use:
+    """What the probe saw of a model's FP8 linears."""
+
+    converted: int
+    proven: int = 0
+    """Called during the probe, and equal to the float32 product of their own FP8 operands (within TOLERANCE)."""
+    max_error: float = 0.0
+    """Largest relative error (Frobenius) of one linear's output against that product."""
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.proven == self.converted and not self.failures
+
+    def summary(self) -> str:
+        if self.ok:
+            return (
+                f"all {self.converted} FP8 linears ran row-scaled FP8 GEMMs (largest error against their float32 "
+                f"reference {self.max_error:.1e})"
+            )
+        unproven = self.converted - self.proven
+        return f"{unproven} of {self.converted} FP8 linears unproven: " + "; ".join(self.failures[:4])
+
+    @classmethod
+    def from_errors(cls, linears: list[tuple[str, FP8Linear]], errors: dict[str, float]) -> FP8Use:
+        """`errors`: what `check_output` recorded for each linear name during the probe."""
+        use = cls(converted=len(linears))
+        for name, _ in linears:
+            if name not in errors:
+                use.failures.append(f"{name}: not called by the probe")
+            elif not errors[name] <= TOLERANCE:
+                use.failures.append(f"{name}: error {errors[name]:.2e} against its float32 reference")
+            else:
+                use.proven += 1
+        use.max_error = max(errors.values(), default=0.0)
+        return use
+
+
+def check_output(errors: dict[str, float], name: str, module: FP8Linear, args, output) -> None:
+    """Forward hook: the output against the float32 product of the module's own FP8 operands; the largest relative
+    error over the calls is kept in errors[name] (NaN counts as infinite)."""
+    rows = args[0].reshape(-1, module.in_features)
+    q, scale = quantize_rows(rows)
+    reference = (q.float() * scale) @ module.dequantized_weight().t()
+    if module.bias is not None:
+        reference = reference + module.bias.float()
+    got = output.reshape(-1, module.out_features).float()
+    error = ((got - reference).norm() / reference.norm().clamp(min=1e-30)).item()
+    errors[name] = max(errors.get(name, 0.0), error if error == error else float("inf"))
+
+
 def unsupported_reason(device: torch.device) -> str | None:
     """Why `device` cannot run FP8 GEMMs, or None when it has FP8 tensor cores (compute capability 8.9+)."""
     if device.type != "cuda":
@@ -135,6 +196,8 @@ def unsupported_reason(device: torch.device) -> str | None:
 __all__ = [
     "FP8",
     "FP8Linear",
+    "FP8Use",
+    "check_output",
     "KEEP_BF16",
     "convert_linears",
     "convertible",

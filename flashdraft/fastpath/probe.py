@@ -44,37 +44,6 @@ class LayerUse:
         return all(use.fast for use in self.ops.values())
 
 
-# An FP8 linear's bf16 output against the float32 product of its own FP8 operands: bf16 rounding (2^-9) and the
-# GEMM's faster accumulation stay well inside this; a wrong scale or layout is off by O(1).
-FP8_TOLERANCE = 2e-2
-
-
-@dataclass
-class FP8Use:
-    """What the probe saw of the model's FP8 linears."""
-
-    converted: int
-    proven: int = 0
-    """Called during the probe, and equal to the float32 reference of their own FP8 operands."""
-    max_error: float = 0.0
-    """Largest relative error (Frobenius) of one linear's output against that reference."""
-    failures: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return self.proven == self.converted and not self.failures
-
-    def summary(self) -> str:
-        if self.ok:
-            return (
-                f"all {self.converted} FP8 linears ran row-scaled FP8 GEMMs (largest error against their float32 "
-                f"reference {self.max_error:.1e})"
-            )
-        return f"{self.converted - self.proven} of {self.converted} FP8 linears unproven: " + "; ".join(
-            self.failures[:4]
-        )
-
-
 @dataclass
 class FastPathReport:
     transformers_version: str
@@ -84,7 +53,7 @@ class FastPathReport:
     attention: str
     layers: list[LayerUse] = field(default_factory=list)
     error: str = ""
-    fp8: FP8Use | None = None
+    fp8: fp8.FP8Use | None = None
     """The FP8 linears, when the model has any (`target.precision: fp8`)."""
 
     @property
@@ -118,6 +87,8 @@ class FastPathReport:
         """One line: how many layers fell back and the distinct reasons (and the FP8 linears, if any)."""
         fp8_text = f"; {self.fp8.summary()}" if self.fp8 is not None else ""
         if self.ok:
+            if not self.layers and self.fp8 is not None:
+                return self.fp8.summary()
             return f"all {len(self.layers)} linear-attention layers ran fast kernels" + fp8_text
         reasons = sorted(
             {use.reason or use.impl for layer in self.layers for use in layer.ops.values() if not use.fast}
@@ -292,7 +263,7 @@ def probe(model: torch.nn.Module, num_tokens: int = 8) -> FastPathReport:
             hooks.append(layer.register_forward_pre_hook(functools.partial(_enter, log, idx)))
             hooks.append(layer.register_forward_hook(functools.partial(_leave, log)))
         for name, linear in linears:
-            hooks.append(linear.register_forward_hook(functools.partial(_check_fp8, fp8_errors, name)))
+            hooks.append(linear.register_forward_hook(functools.partial(fp8.check_output, fp8_errors, name)))
         try:
             # Eager, even where the target's glue is compiled: the hooks read values on the host.
             with torch.compiler.set_stance("force_eager"):
@@ -312,7 +283,7 @@ def probe(model: torch.nn.Module, num_tokens: int = 8) -> FastPathReport:
                     setattr(owner, name, fn)
 
     if linears:
-        report.fp8 = _fp8_use(linears, fp8_errors)
+        report.fp8 = fp8.FP8Use.from_errors(linears, fp8_errors)
     for idx, _ in layers:
         seen = log.calls.get(idx, {})
         ops = {}
@@ -327,32 +298,6 @@ def probe(model: torch.nn.Module, num_tokens: int = 8) -> FastPathReport:
                 ops[op] = OpUse(NOT_CALLED, "the probe did not reach this call")
         report.layers.append(LayerUse(idx, ops))
     return report
-
-
-def _check_fp8(errors: dict[str, float], name: str, module: fp8.FP8Linear, args, output) -> None:
-    """Forward hook: the output against the float32 product of the module's own FP8 operands (the largest error
-    over the probe's calls is kept)."""
-    rows = args[0].reshape(-1, module.in_features)
-    q, scale = fp8.quantize_rows(rows)
-    reference = (q.float() * scale) @ module.dequantized_weight().t()
-    if module.bias is not None:
-        reference = reference + module.bias.float()
-    got = output.reshape(-1, module.out_features).float()
-    error = ((got - reference).norm() / reference.norm().clamp(min=1e-30)).item()
-    errors[name] = max(errors.get(name, 0.0), error if error == error else float("inf"))
-
-
-def _fp8_use(linears: list[tuple[str, fp8.FP8Linear]], errors: dict[str, float]) -> FP8Use:
-    use = FP8Use(converted=len(linears))
-    for name, _ in linears:
-        if name not in errors:
-            use.failures.append(f"{name}: not called by the probe")
-        elif not errors[name] <= FP8_TOLERANCE:
-            use.failures.append(f"{name}: error {errors[name]:.2e} against its float32 reference")
-        else:
-            use.proven += 1
-    use.max_error = max(errors.values(), default=0.0)
-    return use
 
 
 def _enter(log: record.CallLog, idx: int, *_):
@@ -401,4 +346,4 @@ def _has_full_attention(model: torch.nn.Module) -> bool:
     return "full_attention" in layer_types[:kept]
 
 
-__all__ = ["FP8Use", "FastPathReport", "LayerUse", "OpUse", "probe", "describe", "GLOBALS", "INSTANCE"]
+__all__ = ["FastPathReport", "LayerUse", "OpUse", "probe", "describe", "GLOBALS", "INSTANCE"]
