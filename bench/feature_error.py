@@ -28,7 +28,7 @@ from bench.train_step import build_target as build_random_target
 from flashdraft import bundled
 from flashdraft.fastpath import fp8
 from flashdraft.target import FrozenTarget
-from flashdraft.train import bench as fbench
+from flashdraft.train import step_timing
 
 
 def text_ids(rows: int, length: int, vocab: int | None = None) -> torch.Tensor:
@@ -125,7 +125,7 @@ def main() -> None:
         if (reason := fp8.unsupported_reason(torch.device("cuda"))) is not None:
             raise SystemExit(f"bench.feature_error: {reason}")
     t0 = time.time()
-    report = {"machine": fbench.machine(), "targets": {}}
+    report = {"machine": step_timing.machine(), "targets": {}}
     report["targets"]["bundled"] = bundled_rows("cuda" if cuda else "cpu", rows=4, length=512 if cuda else 256)
     print(markdown("bundled target", report["targets"]["bundled"]), flush=True)
     if cuda:

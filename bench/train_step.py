@@ -43,7 +43,7 @@ import torch
 
 from bench import naive_train_step as naive
 from bench.anchors import fla_kernels
-from flashdraft.train import bench as fbench
+from flashdraft.train import step_timing
 
 MASK_TOKEN = 248070
 
@@ -177,7 +177,7 @@ def run_naive(model, d, seq, device, dtype, warmup, steps, flops) -> dict:
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device == "cuda")
         generator = torch.Generator(device=device).manual_seed(2)
         step = naive.make_step(model, drafter, optimizer, d, seq, device, generator)
-        result = fbench.measure(step, torch.device(device), warmup, steps)
+        result = step_timing.measure(step, torch.device(device), warmup, steps)
     except torch.cuda.OutOfMemoryError as exc:
         result = oom_row(variant, seq, exc)
     finally:
@@ -209,8 +209,8 @@ def run_flashdraft(target, d, seq, device, warmup, steps, overrides, label="flas
     cfg = flashdraft_config(d, seq, device, overrides)
     s = None
     try:
-        s = fbench.bench_setup(cfg, target, steps=warmup + steps)
-        result = fbench.run_train_step(s, cfg, warmup=warmup, steps=steps)
+        s = step_timing.bench_setup(cfg, target, steps=warmup + steps)
+        result = step_timing.run_train_step(s, cfg, warmup=warmup, steps=steps)
     except torch.cuda.OutOfMemoryError as exc:
         result = oom_row(label, seq, exc)
     free(s)
@@ -300,7 +300,7 @@ def write_report(args, rows: list[dict], seqs: list[int], flops: dict, t0: float
     row too, so that a run cut short by a time limit keeps what it measured."""
     summary = compare(rows, seqs)
     report = {
-        "machine": fbench.machine(),
+        "machine": step_timing.machine(),
         "smoke": args.smoke,
         "flops_per_step": {str(k): v for k, v in flops.items()},
         "results": rows,
@@ -385,7 +385,7 @@ def main() -> None:
     if not args.skip_naive:
         for seq in seqs:
             rows.append(run_naive(model, d, seq, device, dtype, args.warmup, args.steps, flops[seq]))
-            print(fbench.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
+            print(step_timing.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
             write_report(args, rows, seqs, flops, t0)
             free()
 
@@ -417,7 +417,7 @@ def main() -> None:
                 t1 = time.time()
                 rows.append(run_flashdraft(target, d, seq, device, args.warmup, args.steps, overrides, label))
                 rows[-1]["wall_incl_compile_s"] = time.time() - t1
-                print(fbench.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
+                print(step_timing.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
                 write_report(args, rows, seqs, flops, t0)
             if precision == "fp8" and args.profile_target:
                 rows.append(target_profile(target, d, seq, device) | {"variant": "target profile (fp8)"})
@@ -425,7 +425,7 @@ def main() -> None:
 
     summary = write_report(args, rows, seqs, flops, t0)
     print(f"\n{json.dumps(summary)}\n{time.time() - t0:.0f} s in all" + (f"; wrote {args.json}" if args.json else ""))
-    print(fbench.table([r for r in rows if "step_s" in r]))
+    print(step_timing.table([r for r in rows if "step_s" in r]))
     print_oom(rows)
     for r in rows:
         if r["variant"].startswith("target profile"):

@@ -116,8 +116,24 @@ class RecipeConfig:
     num_anchors: int = 512
     """Anchor positions (blocks) sampled per sequence and epoch (paper: 512). At most: a sequence with fewer response
     positions uses all of them, so a value above data.max_length only warns (it is clamped, not an error)."""
+    anchor_sampling: str = "uniform"
+    """How anchors are drawn among a sequence's candidate positions: uniform (distinct positions uniformly at random,
+    the paper's) | stratified (the candidates cut into num_anchors equal runs, one position drawn in each: the
+    blocks spread over the whole response)."""
     gamma: float | None = None
-    """Loss decay over block positions, w_k = exp(-(k-1)/gamma); default by block size (16: 7, 10: 5, 8: 4)."""
+    """Loss decay over block positions, w_k = exp(-(k-1)/gamma), for loss_weighting exp; default by block size
+    (16: 7, 10: 5, 8: 4)."""
+    loss_weighting: str = "exp"
+    """Weights of the block positions: exp (w_k = exp(-(k-1)/gamma), the paper's; loss = Σ w·ℓ / Σ w) | dpace
+    (D-PACE: each position weighs what its acceptance adds to the expected accepted length, from the drafter's
+    current confidences, w_j = Σ_{m>=j} Π_{i<=m} ((1-dpace_alpha)·q_i + dpace_alpha); loss = Σ w·ℓ / blocks)."""
+    dpace_alpha: float = 0.5
+    """D-PACE's smoothing of the confidences, in (0, 1]: the floor of each factor; 1 ignores the confidences."""
+    loss: str = "ce"
+    """Token loss ℓ: ce (cross-entropy of the label) | lk (LK^λ with the label as a one-hot target:
+    λ·CE + (1-λ)·(1-q), λ = exp(-lk_eta·q) held constant, q the drafter's probability of the label)."""
+    lk_eta: float = 3.0
+    """η of the lk loss (>= 0; 0 is cross-entropy): how fast λ moves the weight from CE to 1 - q as q grows."""
 
 
 @dataclass(kw_only=True)
@@ -235,6 +251,20 @@ class RunConfig:
             ("data.eval_max_new_tokens", self.data.eval_max_new_tokens >= 1, "must be >= 1"),
             ("recipe.num_anchors", self.recipe.num_anchors >= 1, "must be >= 1"),
             ("recipe.gamma", self.recipe.gamma is None or self.recipe.gamma > 0, "must be > 0"),
+            (
+                "recipe.anchor_sampling",
+                self.recipe.anchor_sampling in ("uniform", "stratified"),
+                "must be uniform or stratified",
+            ),
+            ("recipe.loss_weighting", self.recipe.loss_weighting in ("exp", "dpace"), "must be exp or dpace"),
+            ("recipe.dpace_alpha", 0 < self.recipe.dpace_alpha <= 1, "must be in (0, 1] (0.5 is D-PACE's default)"),
+            (
+                "recipe.gamma",
+                self.recipe.gamma is None or self.recipe.loss_weighting == "exp",
+                "is the exp weighting's decay, unused with recipe.loss_weighting = dpace: set it to null",
+            ),
+            ("recipe.loss", self.recipe.loss in ("ce", "lk"), "must be ce or lk"),
+            ("recipe.lk_eta", self.recipe.lk_eta >= 0, "must be >= 0 (0 is cross-entropy; 3 is the LK paper's)"),
             ("optim.lr", self.optim.lr > 0, "must be > 0"),
             ("optim.warmup_ratio", 0 <= self.optim.warmup_ratio < 1, "must be in [0, 1)"),
             ("optim.grad_clip", self.optim.grad_clip > 0, "must be > 0"),

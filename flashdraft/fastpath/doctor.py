@@ -1,8 +1,8 @@
 """`flashdraft doctor`: is every fast path of a hybrid target active here, and if not, what to do.
 
-Each check has a status (ok / warn / fail / info), a one-line detail and a one-line fix. With a model (a tiny
-hybrid by default) the per-layer probe table is part of the verdict. Exit code 0 only when the fast path is
-complete; on a machine without a CUDA device it cannot be, and doctor says so.
+Each check has a status (ok / warn / fail / info), a one-line detail and a one-line fix. The per-layer probe table
+of a model (the caller builds it: `flashdraft doctor --model`, a tiny hybrid by default) is part of the verdict.
+Exit code 0 only when the fast path is complete; on a machine without a CUDA device it cannot be, and doctor says so.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+from torch import nn
 
 from flashdraft import versions
 
@@ -257,23 +259,16 @@ def check_transformers() -> Check:
     return Check("transformers", status, f"transformers {version} — {gen}", fix)
 
 
-def build_probe_model(spec: str | None, probe_layers: int = 4):
-    """A model to probe: a tiny family name, a config.json, or a model directory (random weights, first layers)."""
+def build_probe_model(path: str, probe_layers: int, device: str, dtype: torch.dtype):
+    """The first `probe_layers` layers of the model a config.json or model directory describes, random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from flashdraft.target.tiny import ALL_FAMILIES, build_tiny_target
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if spec is None or spec in ALL_FAMILIES:
-        return build_tiny_target(spec or "qwen3_5", dtype=dtype, device=device)
-    path = spec
     if os.path.isfile(path):
         config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)) or ".")
     elif os.path.isdir(path):
         config = AutoConfig.from_pretrained(path)
     else:
-        raise FileNotFoundError(f"--model {spec!r}: not a tiny family ({', '.join(ALL_FAMILIES)}), file or directory")
+        raise FileNotFoundError(f"{path!r}: not a config.json or model directory")
     config = config.get_text_config()
     n = min(probe_layers, config.num_hidden_layers)
     config.num_hidden_layers = n
@@ -284,16 +279,13 @@ def build_probe_model(spec: str | None, probe_layers: int = 4):
     return model.eval()
 
 
-def run_doctor(model_spec: str | None = None, probe_layers: int = 4, progress=None) -> dict:
-    """All checks, then the per-layer probe. progress(line): told before and after each step (slow ones compile
-    Triton kernels on a first GPU run), so that a long first run is never silent."""
+def run_doctor(build_model: Callable[[str, torch.dtype], nn.Module], progress=None) -> dict:
+    """All checks, then the per-layer probe of `build_model(device, dtype)` (bf16 on the GPU when there is one, else
+    float32 on the CPU). progress(line): told before and after each step (slow ones compile Triton kernels on a
+    first GPU run), so that a long first run is never silent."""
     from flashdraft import fastpath
 
     progress = progress or (lambda line: None)
-    if model_spec is not None and model_spec not in _tiny_families() and not os.path.exists(model_spec):
-        raise FileNotFoundError(
-            f"--model {model_spec!r}: not a tiny family ({', '.join(_tiny_families())}), config.json or model directory"
-        )
     steps = [
         ("gpu", check_gpu),
         ("torch", check_torch),
@@ -320,7 +312,8 @@ def run_doctor(model_spec: str | None = None, probe_layers: int = 4, progress=No
     )
     start = time.perf_counter()
     try:
-        model = build_probe_model(model_spec, probe_layers)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = build_model(device, torch.bfloat16 if device == "cuda" else torch.float32)
         report = fastpath.enable(model, strict=False)
         layers = report.to_dict()["layers"]
         # On a CPU machine every layer falls back by design ("no CUDA device"): reported, not a failure.
@@ -365,12 +358,6 @@ def check_fp8(model) -> Check:
     return Check("fp8 linears", status, report.fp8.summary(), "" if status == OK else "use target.precision=bf16")
 
 
-def _tiny_families():
-    from flashdraft.target.tiny import ALL_FAMILIES
-
-    return ALL_FAMILIES
-
-
 def _probe_fix(report) -> str:
     text = report.failure_message()
     if "no CUDA device" in text:
@@ -385,8 +372,9 @@ def _progress_to_stderr(line: str) -> None:
     print(f"[doctor] {line}", file=sys.stderr, flush=True)
 
 
-def main(argv_json: bool, model_spec: str | None, probe_layers: int = 4, build_log: str | None = None) -> int:
-    result = run_doctor(model_spec, probe_layers, progress=_progress_to_stderr)
+def main(argv_json: bool, build_model: Callable[[str, torch.dtype], nn.Module], build_log: str | None = None) -> int:
+    """The report of `run_doctor(build_model)`, as JSON or tables; the exit code (0: fast path complete)."""
+    result = run_doctor(build_model, progress=_progress_to_stderr)
     report = result.pop("_report")
     if build_log:
         with open(build_log, errors="replace") as fh:
@@ -418,7 +406,3 @@ def main(argv_json: bool, model_spec: str | None, probe_layers: int = 4, build_l
         verdict = "[green]fast path complete[/]" if result["ok"] else "[red]fast path incomplete[/] (exit 1)"
     console.print(verdict)
     return 0 if result["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main("--json" in sys.argv, None))

@@ -29,7 +29,7 @@ from flashdraft.data.features import FeatureStore, HeadTarget
 from flashdraft.devices import resolve_device, resolve_dtype
 from flashdraft.drafter import DFlashDraftModel
 from flashdraft.target import FrozenTarget, build_target, check_fp8, glue_compile_enabled
-from flashdraft.train import distributed
+from flashdraft.train import data_parallel, distributed
 from flashdraft.train.blocks import DraftBatch, anchor_generator, build_blocks, sample_anchors
 from flashdraft.train.compile import compile_drafter, resolve_auto_compile
 from flashdraft.train.flops import Peak, describe, device_peak, step_flops
@@ -67,7 +67,7 @@ def setup(cfg: RunConfig, out: Path, console) -> Setup:
     this run's size (`compile.resolve_auto_compile`), and set in `cfg`."""
     device, tokenizer, target, data, features = load_inputs(cfg, out, console)
     drafter = build_drafter(cfg, target, tokenizer).to(device)
-    # The global step: every rank takes batch_size x grad_accum of its sequences (distributed.py).
+    # The global step: every rank takes batch_size x grad_accum of its sequences (data_parallel.py).
     per_step = cfg.train.batch_size * cfg.train.grad_accum * distributed.world().size
     steps_per_epoch = len(data) // per_step
     if steps_per_epoch == 0:
@@ -86,7 +86,7 @@ def setup(cfg: RunConfig, out: Path, console) -> Setup:
     if isinstance(target, FrozenTarget):
         target.compile_glue(glue_compile_enabled(cfg.target, device))
     compile_drafter(drafter, cfg.train, device)  # per layer, before sharding (as torchtitan orders them)
-    drafter = distributed.parallelize_drafter(drafter, device)
+    drafter = data_parallel.parallelize_drafter(drafter, device)
     return Setup(device, tokenizer, target, drafter, data, steps_per_epoch, total, features, peak=peak)
 
 
@@ -123,7 +123,7 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
             cfg.target, layer_ids=layer_ids, device=load_on, dtype=dtype, num_features=cfg.drafter.num_layers
         )
         if cfg.target.shard:
-            distributed.shard_target(target.model, device)
+            data_parallel.shard_target(target.model, device)
         target.configure(cfg.target)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(cfg), trust_remote_code=cfg.target.trust_remote_code)
     sources = bundled.train_data() if cfg.data.train == [bundled.BUNDLED] else cfg.data.train
@@ -216,7 +216,7 @@ def step_indices(s: Setup, cfg: RunConfig, step: int) -> list[list[int]]:
     order = _epoch_order(s.data, epoch, cfg.train.seed)
     chunk = order[offset * per_step : (offset + 1) * per_step]
     b = cfg.train.batch_size
-    return distributed.rank_share([chunk[i : i + b] for i in range(0, per_step, b)])
+    return data_parallel.rank_share([chunk[i : i + b] for i in range(0, per_step, b)])
 
 
 _ORDER_CACHE: dict = {}
@@ -268,6 +268,7 @@ def step_blocks(
             cfg.recipe.num_anchors,
             s.drafter.block_size,
             anchor_generator(cfg.train.seed, epoch, index),
+            cfg.recipe.anchor_sampling,
         )
         for row, index in enumerate(indices)
     ]

@@ -24,14 +24,14 @@ from flashdraft.speculative.engine import session as engine_session
 from flashdraft.speculative.generate import generate, use_engine
 from flashdraft.speculative.prompts import load_prompts
 from flashdraft.target import load_model
-from flashdraft.train import distributed
+from flashdraft.train import data_parallel
 from flashdraft.train.setup import Setup
 
 
 def periodic_tau(cfg: RunConfig, s: Setup) -> float | None:
     """measure_tau during training: every rank gathers the (sharded) drafter, rank 0 decodes, the others go on to
     the next step's collectives and wait there."""
-    plain = distributed.gather_drafter(s.drafter)
+    plain = data_parallel.gather_drafter(s.drafter)
     return None if plain is None else measure_tau(cfg, s, drafter=plain)
 
 

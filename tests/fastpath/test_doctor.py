@@ -1,3 +1,4 @@
+import functools
 import json
 import shutil
 import subprocess
@@ -6,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from flashdraft.fastpath.doctor import diagnose_build_log, run_doctor, transformers_generation
+from flashdraft.fastpath.doctor import build_probe_model, diagnose_build_log, run_doctor, transformers_generation
 from flashdraft.target.tiny import tiny_config
 
 CUDA = torch.cuda.is_available()
@@ -72,7 +73,7 @@ def test_doctor_table_output():
 
 def test_doctor_model_from_config_file(tmp_path):
     tiny_config("qwen3_5_moe", num_layers=8).save_pretrained(tmp_path)
-    result = run_doctor(str(tmp_path / "config.json"), probe_layers=8)
+    result = run_doctor(functools.partial(build_probe_model, str(tmp_path / "config.json"), 8))
     assert [layer["index"] for layer in result["layers"]] == [0, 1, 2, 4, 5, 6]
 
 
