@@ -52,6 +52,12 @@ class TargetConfig:
     """Training: torch.compile the torch code between the target's fast kernels (its RMSNorms and dense MLPs). On the
     H200 it took a 27B Qwen3.5's forward from 3.25 to 2.98 s at 32K tokens (bench/RESULTS.md). true | false | auto
     (on CUDA unless target.shard). The first batch of each of the first two lengths compiles (seconds)."""
+    precision: str = "bf16"
+    """Training: bf16 | fp8. fp8 runs the target's linear layers (attention, Gated DeltaNet and MLP projections) as
+    FP8 GEMMs with a scale per token and per output channel: weights quantized once at load (half the memory),
+    activations per step. The embedding, LM head, norms and gate projections stay bf16; the per-layer probe proves
+    the FP8 linears. Needs an FP8 GPU (compute capability 8.9+: Ada, Hopper) and a bf16 target; the features move
+    by a few percent (docs/training.md, "FP8 target"). The measured τ always decodes with the bf16 target."""
     shard: bool = False
     """Under torchrun: shard the target's decoder layers over the ranks with FSDP2 (each GPU holds 1/N of them and
     gathers one layer at a time) instead of a whole copy per GPU; for targets that do not fit one GPU. The target
@@ -278,6 +284,18 @@ class RunConfig:
             ("train.compile", is_switch(self.train.compile), "must be auto, true or false"),
             ("train.peak_tflops", self.train.peak_tflops is None or self.train.peak_tflops > 0, "must be > 0 or null"),
             ("target.compile", is_switch(self.target.compile), "must be auto, true or false"),
+            ("target.precision", self.target.precision in ("bf16", "fp8"), "must be bf16 or fp8"),
+            (
+                "target.precision",
+                not (self.target.precision == "fp8" and self.target.shard),
+                "fp8 cannot be combined with target.shard (FSDP2 shards the bf16 weights; an FP8 target is half "
+                "the size: try it unsharded)",
+            ),
+            (
+                "target.precision",
+                not (self.target.precision == "fp8" and self.target.dtype in ("float16", "float32")),
+                f"fp8 needs a bfloat16 target (the FP8 GEMM writes bf16), not target.dtype = {self.target.dtype}",
+            ),
             (
                 "target.dtype",
                 self.target.dtype in ("auto", "bfloat16", "float16", "float32"),

@@ -281,10 +281,8 @@ def build_probe_model(path: str, probe_layers: int, device: str, dtype: torch.dt
 
 def run_doctor(build_model: Callable[[str, torch.dtype], nn.Module], progress=None) -> dict:
     """All checks, then the per-layer probe of `build_model(device, dtype)` (bf16 on the GPU when there is one, else
-    float32 on the CPU). progress(line): told before and after each step (slow ones compile Triton kernels on a
-    first GPU run), so that a long first run is never silent."""
-    from flashdraft import fastpath
-
+    float32 on the CPU), then its linears as FP8. progress(line): told before and after each step (slow ones compile
+    Triton kernels on a first GPU run), so that a long first run is never silent."""
     progress = progress or (lambda line: None)
     steps = [
         ("gpu", check_gpu),
@@ -295,43 +293,59 @@ def run_doctor(build_model: Callable[[str, torch.dtype], nn.Module], progress=No
         ("causal-conv1d", check_causal_conv1d),
         ("transformers", check_transformers),
     ]
-    checks: list[Check] = []
-    for label, fn in steps:
-        progress(f"{label} ...")
-        start = time.perf_counter()
-        check = fn()
-        seconds = time.perf_counter() - start
-        check.seconds = round(seconds, 2)
-        checks.append(check)
-        progress(f"{label}: {seconds:.1f} s")
-    layers: list[dict] = []
-    report = None
-    progress(
-        "probe: building the model and running a prefill and a decode step per layer (a first run on a GPU "
-        "compiles and autotunes fla's Triton kernels: about a minute; cached afterwards) ..."
-    )
+    checks = [_timed(progress, label, fn) for label, fn in steps]
+    probed: dict = {}
+    announce = "probe: a prefill and a decode step, per layer (a first GPU run autotunes fla's kernels: ~1 min)"
+    checks.append(_timed(progress, "probe", lambda: _probe(build_model, probed), announce))
+    if probed.get("report") is not None:
+        checks.append(_timed(progress, "fp8 linears", lambda: check_fp8(probed["model"])))
+    ok = all(c.status != FAIL for c in checks)
+    layers = probed["report"].to_dict()["layers"] if probed.get("report") is not None else []
+    return {"ok": ok, "checks": [asdict(c) for c in checks], "layers": layers, "_report": probed.get("report")}
+
+
+def _timed(progress, label: str, fn, announce: str | None = None) -> Check:
+    progress(f"{announce or label} ...")
     start = time.perf_counter()
+    check = fn()
+    check.seconds = round(time.perf_counter() - start, 2)
+    progress(f"{label}: {check.seconds:.1f} s")
+    return check
+
+
+def _probe(build_model, probed: dict) -> Check:
+    """The per-layer probe; the model and its report go into `probed`."""
+    from flashdraft import fastpath
+
     try:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = build_model(device, torch.bfloat16 if device == "cuda" else torch.float32)
-        report = fastpath.enable(model, strict=False)
-        layers = report.to_dict()["layers"]
-        # On a CPU machine every layer falls back by design ("no CUDA device"): reported, not a failure.
-        status = OK if report.ok else (INFO if cpu_machine() else FAIL)
-        checks.append(Check("probe", status, report.summary(), "" if status != FAIL else _probe_fix(report)))
+        probed["model"] = build_model(device, torch.bfloat16 if device == "cuda" else torch.float32)
+        report = probed["report"] = fastpath.enable(probed["model"], strict=False)
     except Exception as exc:
-        checks.append(
-            Check(
-                "probe",
-                FAIL,
-                f"could not build or probe the model: {type(exc).__name__}: {exc}",
-                "pass --model with a config.json or model directory of a supported family",
-            )
+        return Check(
+            "probe",
+            FAIL,
+            f"could not build or probe the model: {type(exc).__name__}: {exc}",
+            "pass --model with a config.json or model directory of a supported family",
         )
-    checks[-1].seconds = round(time.perf_counter() - start, 2)
-    progress(f"probe: {checks[-1].seconds:.1f} s")
-    ok = all(c.status != FAIL for c in checks)
-    return {"ok": ok, "checks": [asdict(c) for c in checks], "layers": layers, "_report": report}
+    # On a CPU machine every layer falls back by design ("no CUDA device"): reported, not a failure.
+    status = OK if report.ok else (INFO if cpu_machine() else FAIL)
+    return Check("probe", status, report.summary(), "" if status != FAIL else _probe_fix(report))
+
+
+def check_fp8(model) -> Check:
+    """`target.precision: fp8` on this machine: the probe model's linears converted to FP8 and probed again."""
+    from flashdraft import fastpath
+    from flashdraft.fastpath import fp8
+
+    reason = fp8.unsupported_reason(next(model.parameters()).device)
+    if reason is not None:
+        return Check("fp8 linears", INFO, f"target.precision=fp8 unavailable: {reason}")
+    fp8.convert_linears(model)
+    use = fastpath.probe(model).fp8
+    if use is None:
+        return Check("fp8 linears", INFO, "the probe model has no linear that FP8 converts")
+    return Check("fp8 linears", OK if use.ok else FAIL, use.summary(), "" if use.ok else "use target.precision=bf16")
 
 
 def _probe_fix(report) -> str:

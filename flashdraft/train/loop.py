@@ -11,6 +11,7 @@ flashdraft/train/distributed.py and data_parallel.py; the loop calls them in a f
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -59,6 +60,7 @@ class TrainResult:
 
 
 def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
+    started = time.perf_counter()
     out = Path(cfg.log.out)
     check_trackers(cfg.log.trackers)  # before minutes of loading
     # Decided before config.json is written: it is what tells this run's OUT from another run's.
@@ -66,7 +68,10 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
     out.mkdir(parents=True, exist_ok=True)
     if distributed.world().is_main:
         _write_atomically(out / "config.json", json.dumps(to_dict(cfg), indent=1))
+    # The run's own copy: setup decides its `auto` compile switches in it (config.json keeps what was asked).
+    cfg = copy.deepcopy(cfg)
     s = setup(cfg, out, console)
+    ready = time.perf_counter()
     optimizer = build_optimizer(s.drafter.parameters(), cfg.optim, s.device)
     scheduler = build_scheduler(optimizer, cfg.optim, s.total_steps)
     checkpoints = CheckpointManager(out, keep=cfg.log.keep_checkpoints)
@@ -104,6 +109,8 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
         metrics.advance(start)
         for step in range(start, s.total_steps):
             stats, tokens, finite = train_step(s, cfg, optimizer, step)
+            if step == start:
+                _log_first_step(s.device, started, ready)
             if not finite:
                 if cfg.train.on_nonfinite == "stop":
                     raise TrainingError(
@@ -269,6 +276,20 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
 
 def _no_mark(phase: str) -> None:
     pass
+
+
+def _log_first_step(device: torch.device, started: float, ready: float) -> None:
+    """Once per run: how long until the first step was done, and how much of it was the step itself (on a GPU, its
+    compiles and Triton autotuning) rather than loading the target, the data and the drafter."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    now = time.perf_counter()
+    logger.info(
+        "first step after %.1f s (setup %.1f s: target, data, drafter; the step itself %.1f s)",
+        now - started,
+        ready - started,
+        now - ready,
+    )
 
 
 class _Timer:

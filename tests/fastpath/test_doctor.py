@@ -11,7 +11,7 @@ from flashdraft.fastpath.doctor import build_probe_model, diagnose_build_log, ru
 from flashdraft.target.tiny import tiny_config
 
 CUDA = torch.cuda.is_available()
-NAMES = {"gpu", "torch", "driver", "triton", "fla-core", "causal-conv1d", "transformers", "probe"}
+NAMES = {"gpu", "torch", "driver", "triton", "fla-core", "causal-conv1d", "transformers", "probe", "fp8 linears"}
 
 
 def test_doctor_json_on_this_machine():
@@ -41,6 +41,8 @@ def test_doctor_json_on_this_machine():
         assert gpu["status"] == "info" and "no CUDA device" in gpu["detail"]
         probe = next(c for c in result["checks"] if c["name"] == "probe")
         assert probe["status"] == "info" and "fallback: no CUDA device" in probe["detail"]
+        fp8 = next(c for c in result["checks"] if c["name"] == "fp8 linears")
+        assert fp8["status"] == "info" and "no FP8 matrix multiplication" in fp8["detail"]
 
 
 def test_no_cuda_device_beside_an_nvidia_driver_is_a_failure(monkeypatch):

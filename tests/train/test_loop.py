@@ -203,6 +203,9 @@ def test_cli_runs_the_bundled_default_and_reports(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "simulated τ" in out.stdout and "measured τ" in out.stdout
     assert ("training_curve.png" in out.stdout) == PLOT
+    # Time to the first step, once: since the command's start, split into setup and the step itself.
+    first = [line for line in out.stderr.splitlines() if line.startswith("first step after ")]
+    assert len(first) == 1 and " s (setup " in first[0] and "the step itself" in first[0], out.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
@@ -295,15 +298,15 @@ def test_static_shapes_pad_without_changing_loss_or_gradients():
 def test_recipe_objective_reaches_the_loss(monkeypatch):
     """recipe.loss / loss_weighting / anchor_sampling reach the step: every micro-batch's loss gets the recipe's
     objective and, for D-PACE, the step's labelled blocks (both micro-batches) as its denominator."""
-    from flashdraft.train import bench
+    from flashdraft.train import step_timing
     from flashdraft.train.loss import Objective
     from flashdraft.train.loss.objective import labelled_blocks
 
     recipe = ["recipe.loss=lk", "recipe.lk_eta=2", "recipe.loss_weighting=dpace", "recipe.anchor_sampling=stratified"]
     overrides = ["data.max_length=40", "recipe.num_anchors=3", "train.batch_size=2", "train.grad_accum=2"]
     cfg = load_config(bundled.ASSETS / "train.yaml", [*overrides, "train.device=cpu", *recipe])
-    target, tokenizer = bench.load_bench_target(cfg)
-    s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
+    target, tokenizer = step_timing.load_bench_target(cfg)
+    s = step_timing.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
     s.data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
     calls = []
     real = loop.dflash_loss
@@ -440,3 +443,61 @@ def test_logged_loss_accuracy_and_tau_are_means_over_the_log_window(tmp_path, mo
         assert rows[step]["sim_tau"] == pytest.approx(tau, rel=1e-5)
     last = micro[-1]
     assert rows[5]["loss"] != pytest.approx(float(last.loss_sum / last.weight_sum), rel=1e-5)
+
+
+class _TwoLengths:
+    """Two sequences, the second 37 tokens shorter (right padding in the batch), every position a response."""
+
+    def __init__(self, length: int, vocab: int) -> None:
+        g = torch.Generator().manual_seed(length)
+        self.rows = [torch.randint(6, vocab, (n,), generator=g).numpy() for n in (length, length - 37)]
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i):
+        return self.rows[i], torch.ones(len(self.rows[i]), dtype=torch.uint8).numpy()
+
+    def epoch_order(self, epoch: int, seed: int) -> list[int]:
+        return [0, 1]
+
+
+def test_no_step_tensor_grows_with_the_square_of_the_length_or_with_length_times_vocabulary():
+    """Long sequences (data.max_length 131072 on one GPU) need every tensor of a step to grow at most linearly with
+    the length: no (seq x seq) mask or attention matrix, no (seq x vocabulary) logits. Every tensor the step creates
+    (forward and backward, target and drafter, masks, loss) is recorded at two lengths, with a padded batch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from flashdraft.train import step_timing
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.shapes += [(str(func), tuple(t.shape)) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            return out
+
+    largest = {}
+    for length in (400, 1600):  # no model width among the lengths below
+        cfg = load_config(
+            bundled.ASSETS / "train.yaml",
+            [f"data.max_length={length}", "recipe.num_anchors=8", "train.batch_size=2", "train.device=cpu"],
+        )
+        target, tokenizer = step_timing.load_bench_target(cfg)
+        vocab = target.lm_head_weight.shape[0]
+        s = step_timing.bench_setup(cfg, target, tokenizer=tokenizer, steps=1)
+        s.data = _TwoLengths(length, vocab)
+        optimizer = torch.optim.AdamW(s.drafter.parameters())
+        with Shapes() as seen:
+            loop.train_step(s, cfg, optimizer, 0)
+        seq_dims = {length - 1, length, length + 8 * s.drafter.block_size}  # T (shifted), context + blocks
+        square = [(op, shape) for op, shape in seen.shapes if sum(d in seq_dims for d in shape) >= 2]
+        by_vocab = [(op, shape) for op, shape in seen.shapes if vocab in shape and any(d in seq_dims for d in shape)]
+        assert not square and not by_vocab, (square[:3], by_vocab[:3])
+        assert any(length in shape for _, shape in seen.shapes)  # the recording saw the sequence
+        largest[length] = max(math.prod(shape) for _, shape in seen.shapes)
+    assert largest[1600] <= 4.5 * largest[400], largest
