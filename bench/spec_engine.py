@@ -51,21 +51,22 @@ def timed_ms(fn, iters: int, warmup: int = 2) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def build(smoke: bool, layers: int):
-    """(target, our drafter, the reference package's drafter with the same weights, device)."""
+def build(smoke: bool, layers: int, dtype: torch.dtype | None = None, reference: bool = True):
+    """(target, our drafter, the reference package's drafter with the same weights or None, device); dtype: default
+    float32 for the smoke run, bf16 on the GPU."""
     from flashdraft.drafter import DFlashDraftModel
 
     if smoke:
         from flashdraft.target.tiny import tiny_config
 
         cfg = tiny_config("qwen3_5", num_layers=8, vocab_size=256)
-        device, dtype, mask = torch.device("cpu"), torch.float32, 255
+        device, dtype, mask = torch.device("cpu"), dtype or torch.float32, 255
     else:
         from bench.target_forward import qwen35_27b_config
 
         cfg = qwen35_27b_config(layers)
         cfg.rope_parameters["rope_theta"] = 1e7  # the 27B's
-        device, dtype, mask = torch.device("cuda"), torch.bfloat16, 248070
+        device, dtype, mask = torch.device("cuda"), dtype or torch.bfloat16, 248070
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -77,6 +78,8 @@ def build(smoke: bool, layers: int):
             .to(dtype)
             .eval()
         )
+    if not reference:
+        return target, drafter, None, device
     reference = None
     try:
         import dflash

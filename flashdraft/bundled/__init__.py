@@ -2,7 +2,8 @@
 
 Everything ships in flashdraft/bundled, made by examples/tiny_target (how: its README):
 - target/: a *trained* tiny hybrid Qwen3.5 (8 layers: 6 Gated DeltaNet + 2 gated attention, hidden 256, 6.74M
-  parameters, bf16), trained on the Python standard library's source (held-out loss 1.77 nats/token);
+  parameters, bf16), trained on the Python standard library's source (held-out loss 1.77 nats/token), with its own
+  MTP head (`mtp.*` tensors, as Qwen3.5 checkpoints ship it; flashdraft.target.mtp reads it);
 - tokenizer/: its byte-level BPE (1024 tokens; examples/tiny_target/build_tokenizer.py);
 - drafter/: a 3-layer DFlash drafter (block 16) trained on continuations the target wrote itself;
 - train.jsonl: 768 of those regenerated {"prompt", "response"} pairs (T=0 and T=1), for fine-tuning on a CPU;

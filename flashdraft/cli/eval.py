@@ -1,6 +1,6 @@
-"""`flashdraft eval`: the target, the drafter and the prompts built from the arguments, checked against each
-other, then flashdraft.speculative.evaluate.evaluate (which says what the command reports) and its report printed,
-written as JSON and plotted."""
+"""`flashdraft eval`: the target, the drafter, the baselines (the target's own MTP layer among them) and the prompts
+built from the arguments, checked against each other, then flashdraft.speculative.evaluate.evaluate (which says
+what the command reports) and its report printed, written as JSON and plotted (flashdraft.speculative.report)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,20 @@ from pathlib import Path
 import torch
 
 from flashdraft.cli.exit_codes import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_OK
-from flashdraft.speculative.evaluate import evaluate, print_report, require_matplotlib, write_plot
+from flashdraft.speculative.context import ContextFiller
+from flashdraft.speculative.evaluate import evaluate
 from flashdraft.speculative.prompts import load_prompts
+from flashdraft.speculative.report import print_report, require_matplotlib, write_plot
+from flashdraft.target import mtp
+
+# --baselines names (short and long) -> the methods of flashdraft.speculative.evaluate.
+BASELINE_NAMES = {
+    "ar": "autoregressive",
+    "autoregressive": "autoregressive",
+    "pl": "prompt_lookup",
+    "prompt_lookup": "prompt_lookup",
+    "mtp": "mtp",
+}
 
 
 def add_parser(subparsers) -> None:
@@ -44,7 +56,51 @@ def add_parser(subparsers) -> None:
         help="on: flashdraft's engine (static caches, CUDA graphs; dense Qwen3.5/Qwen3 on CUDA); off: transformers; "
         "auto (default): the engine on a CUDA target it supports, else transformers",
     )
+    p.add_argument(
+        "--baselines",
+        default=None,
+        help="comma-separated, decoded beside DFlash: ar (autoregressive), prompt_lookup, mtp (the target's own "
+        "MTP layer). Default: ar,prompt_lookup, plus mtp when the target checkpoint ships MTP weights",
+    )
+    p.add_argument("--mtp-drafts", type=int, default=3, help="MTP: chained drafts per round (default 3)")
+    p.add_argument(
+        "--context-lengths",
+        default=None,
+        help="comma-separated token counts, e.g. 1024,8192,32768: also decode every prompt left-padded to each "
+        "length with held-out text, and report tau and speedup per method per length",
+    )
+    p.add_argument(
+        "--context-text",
+        default=None,
+        help="JSONL of {'prompt': str} (optional 'response', 'source') whose text pads the prompts for "
+        "--context-lengths (default: the bundled held-out standard-library code)",
+    )
     p.set_defaults(run=run)
+
+
+def _parse_baselines(value: str | None) -> tuple[str, ...] | None:
+    """--baselines -> method names (None: the default, decided once the target is known)."""
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [v for v in names if v not in BASELINE_NAMES]
+    if unknown or not names:
+        raise ValueError(
+            f"--baselines: unknown {', '.join(unknown) or 'empty list'}; choose from ar, prompt_lookup, mtp"
+        )
+    return tuple(dict.fromkeys(BASELINE_NAMES[v] for v in names))
+
+
+def _parse_lengths(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        lengths = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--context-lengths: expected comma-separated token counts, got {value!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--context-lengths: expected positive token counts, got {value!r}")
+    return sorted(set(lengths))
 
 
 def _device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -126,8 +182,14 @@ def run(args) -> int:
         raise ValueError(f"--block-size must be >= 2 (the anchor plus one drafted token), got {args.block_size}")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.mtp_drafts < 1:
+        raise ValueError(f"--mtp-drafts must be >= 1, got {args.mtp_drafts}")
+    baselines = _parse_baselines(args.baselines)
+    context_lengths = _parse_lengths(args.context_lengths)
     if not Path(args.prompts).is_file():  # before loading the models, which can take minutes
         raise FileNotFoundError(f"prompts file {args.prompts} does not exist")
+    if args.context_text and not Path(args.context_text).is_file():
+        raise FileNotFoundError(f"--context-text file {args.context_text} does not exist")
     if args.plot:
         require_matplotlib()  # fail before the long part
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -138,12 +200,17 @@ def run(args) -> int:
     from flashdraft.hub import check_checkpoint, resolve_model_dir
 
     device, dtype = _device_and_dtype(args.device, args.dtype)
-    if args.target == bundled.BUNDLED:
+    is_bundled = args.target == bundled.BUNDLED
+    # A hub id is read from the cache unless HF_HUB_OFFLINE=0 (no silent downloads); safetensors only.
+    directory = bundled.target_dir() if is_bundled else resolve_model_dir(args.target, what="target")
+    if baselines is None:
+        baselines = ("autoregressive", "prompt_lookup") + (("mtp",) if mtp.has_mtp(directory) else ())
+    if "mtp" in baselines:
+        mtp.require_mtp(directory)  # before the models load, which can take minutes
+    if is_bundled:
         tokenizer = bundled.load_tokenizer()
         target = bundled.build_target(dtype=dtype, device=device).eval()
     else:
-        # A hub id is read from the cache unless HF_HUB_OFFLINE=0 (no silent downloads); safetensors only.
-        directory = resolve_model_dir(args.target, what="target")
         check_checkpoint(directory)
         tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
         target = AutoModelForCausalLM.from_pretrained(
@@ -162,6 +229,10 @@ def run(args) -> int:
     drafter = DFlashDraftModel.from_pretrained(args.drafter, dtype=dtype).to(device).eval()
     check_fit(drafter, target, tokenizer, args.drafter, args.target)
     stops = [] if args.ignore_eos else _stop_token_ids(target, tokenizer)
+    mtp_head = mtp.load_mtp(target, directory) if "mtp" in baselines else None
+    # Held-out text for the padding: by default the bundled evaluation prompts (files no training here saw).
+    context_text = args.context_text or bundled.eval_prompts()
+    filler = ContextFiller.from_jsonl(context_text, tokenizer) if context_lengths else None
 
     report = evaluate(
         target,
@@ -174,6 +245,11 @@ def run(args) -> int:
         seed=args.seed,
         progress=not args.no_progress,
         engine={"auto": None, "on": True, "off": False}[args.engine],
+        baselines=baselines,
+        mtp_head=mtp_head,
+        mtp_drafts=args.mtp_drafts,
+        context_lengths=context_lengths,
+        context_filler=filler,
     )
     report.update(
         target=str(args.target),

@@ -1,37 +1,47 @@
-"""`flashdraft eval`: a DFlash drafter against autoregressive and prompt-lookup decoding, prompt by prompt.
+"""`flashdraft eval`: a DFlash drafter against what users would pick instead, prompt by prompt: autoregressive
+decoding, prompt lookup, and the target's own MTP layer.
 
     flashdraft eval --target Qwen/Qwen3-8B --drafter z-lab/Qwen3-8B-DFlash-b16 --prompts prompts.jsonl \\
         --max-new-tokens 512 --json eval.json --plot eval.png
+    flashdraft eval --target Qwen/Qwen3.5-4B --drafter D --prompts P --baselines ar,prompt_lookup,mtp \\
+        --context-lengths 1024,8192,32768
 
 Prompts file: JSON lines, each `{"messages": [{"role": ..., "content": ...}, ...]}` (rendered with the tokenizer's
 chat template, generation prompt added) or `{"prompt": "raw text"}`, with an optional `"category"`.
-All three methods decode every prompt with the same settings in the same loop (`flashdraft.speculative.generate`).
-Reported: tau (mean tokens per verification round = mean acceptance length, bonus token included), its p95,
-per-position acceptance rates, tokens/s, and speedups — overall and per category — and the implied ceiling
-`tau x decode step / round`: the decode-phase speedup that the measured costs allow (AR's time per decode step,
-DFlash's time per round, prompt processing excluded), beside the measured end-to-end speedup. On a CUDA target
-the engine (`flashdraft.speculative.engine`: static caches, CUDA graphs) decodes all three methods; `--engine off`
-forces transformers forwards (`flashdraft.speculative.generate`'s plain loop). At temperature 0 the DFlash
-output is also compared with autoregressive decoding (`greedy_mismatches`: expected 0 in float32; bf16 kernels
-can flip near-ties, because a verification and a one-token step round differently).
+Every method decodes every prompt with the same settings in the same loop (`flashdraft.speculative.generate`).
+The baselines are chosen by `--baselines` (default: autoregressive, prompt lookup, and the MTP layer when the
+target checkpoint ships one — `flashdraft.target.mtp`; `--mtp-drafts` chained drafts per round, 3 by default as
+SGLang documents for Qwen3.5). Reported: tau (mean tokens per verification round = mean acceptance length, bonus
+token included), its p95, per-position acceptance rates, tokens/s, and speedups — overall and per category — and
+the implied ceiling `tau x decode step / round`: the decode-phase speedup that the measured costs allow (AR's time
+per decode step, DFlash's time per round, prompt processing excluded), beside the measured end-to-end speedup; and
+the same figures for every method (`methods`, `mtp_tau`, `mtp_speedup`). On a CUDA target the engine
+(`flashdraft.speculative.engine`: static caches, CUDA graphs) decodes every method; `--engine off` forces
+transformers forwards (`flashdraft.speculative.generate`'s plain loop). At temperature 0 every method's output is
+also compared with autoregressive decoding (`greedy_mismatches`: expected 0 in float32; bf16 kernels can flip
+near-ties, because a verification and a one-token step round differently). `--context-lengths` decodes the prompts
+again, each left-padded to each length with held-out text (`flashdraft.speculative.context`), and reports tau and
+speedup per method per length. The report is printed and drawn by `flashdraft.speculative.report`.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from flashdraft.speculative.baselines import autoregressive_generate, prompt_lookup_generate
+from flashdraft.speculative.baselines import autoregressive_generate, mtp_generate, prompt_lookup_generate
+from flashdraft.speculative.context import ContextFiller
 from flashdraft.speculative.engine.session import prepare
 from flashdraft.speculative.generate import generate, use_engine
 from flashdraft.speculative.prompts import Prompt
 from flashdraft.speculative.result import GenerationResult
+from flashdraft.target.mtp import MTPHead
 
-METHODS = ("dflash", "autoregressive", "prompt_lookup")
+# Every method, in the order of the report's rows; the first is the drafter under evaluation, the rest baselines.
+METHODS = ("dflash", "mtp", "prompt_lookup", "autoregressive")
+BASELINES = METHODS[1:]
 
 
 @dataclass
@@ -78,14 +88,21 @@ class Tally:
             return math.nan
         return float(torch.quantile(torch.tensor(self.acceptance_lengths, dtype=torch.float64), 0.95))
 
+    @property
+    def position_acceptance(self) -> list[float]:
+        return [a / o if o else math.nan for a, o in zip(self.position_accepted, self.position_offered, strict=True)]
+
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else math.nan
 
 
 def _summary(tallies: dict[str, Tally], num_prompts: int) -> dict:
-    dflash, ar, lookup = (tallies[m] for m in METHODS)
-    return {
+    """DFlash's figures (and the baselines' beside them) under the report's established keys, and every method's
+    under `methods`; a baseline that did not run gives NaN (and no `mtp_*` keys)."""
+    dflash, ar, lookup, mtp = (tallies.get(m, Tally()) for m in ("dflash", "autoregressive", "prompt_lookup", "mtp"))
+    ran = [m for m in METHODS if m in tallies]
+    summary = {
         "num_prompts": num_prompts,
         "tau": dflash.tau,
         "acceptance_length_mean": dflash.tau,
@@ -98,9 +115,37 @@ def _summary(tallies: dict[str, Tally], num_prompts: int) -> dict:
         "speedup_vs_prompt_lookup": _ratio(dflash.tokens_per_second, lookup.tokens_per_second),
         "prompt_lookup_tau": lookup.tau,
         "prompt_lookup_speedup": _ratio(lookup.tokens_per_second, ar.tokens_per_second),
-        "tokens_per_second": {m: tallies[m].tokens_per_second for m in METHODS},
-        "tokens": {m: tallies[m].tokens for m in METHODS},
+        "tokens_per_second": {m: tallies[m].tokens_per_second for m in ran},
+        "tokens": {m: tallies[m].tokens for m in ran},
+        "methods": {
+            m: {
+                "tau": tallies[m].tau,
+                "acceptance_length_p95": tallies[m].p95,
+                "tokens_per_second": tallies[m].tokens_per_second,
+                "speedup": _ratio(tallies[m].tokens_per_second, ar.tokens_per_second),
+                "round_ms": tallies[m].round_ms,
+                "per_position_acceptance": tallies[m].position_acceptance,
+            }
+            for m in ran
+        },
     }
+    if "mtp" in tallies:
+        summary["mtp_tau"] = mtp.tau
+        summary["mtp_speedup"] = _ratio(mtp.tokens_per_second, ar.tokens_per_second)
+        summary["speedup_vs_mtp"] = _ratio(dflash.tokens_per_second, mtp.tokens_per_second)
+    return summary
+
+
+@dataclass
+class _Run:
+    """The tallies of one set of prompts (the prompts as given, or padded to one context length)."""
+
+    overall: dict[str, Tally]
+    per_category: dict[str, dict[str, Tally]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    # Prompts whose greedy output differs from autoregressive decoding's, per method.
+    mismatches: dict[str, int] = field(default_factory=dict)
+    backends: set[str] = field(default_factory=set)
 
 
 def evaluate(
@@ -114,71 +159,115 @@ def evaluate(
     seed: int = 0,
     progress: bool = True,
     engine: bool | None = None,
+    baselines: tuple[str, ...] = ("autoregressive", "prompt_lookup"),
+    mtp_head: MTPHead | None = None,
+    mtp_drafts: int = 3,
+    context_lengths: list[int] | None = None,
+    context_filler: ContextFiller | None = None,
 ) -> dict:
-    """Decode every prompt with DFlash, autoregressive and prompt-lookup decoding; return the report dict.
+    """Decode every prompt with DFlash and each of `baselines` (some of `BASELINES`); return the report dict.
 
     engine: as in `flashdraft.speculative.generate` (None: the engine on a CUDA target it supports), for all methods.
+    mtp_head: the target's MTP layer (`flashdraft.target.mtp.load_mtp`), for the "mtp" baseline, with `mtp_drafts`
+    chained drafts per round. context_lengths: also decode every prompt left-padded to each of these lengths by
+    `context_filler`.
     """
     if not prompts:
         raise ValueError("evaluate needs at least one prompt")
+    unknown = sorted(set(baselines) - set(BASELINES))
+    if unknown:
+        raise ValueError(f"unknown baselines {unknown}; expected some of {list(BASELINES)}")
+    if "mtp" in baselines and mtp_head is None:
+        raise ValueError("the mtp baseline needs mtp_head (flashdraft.target.mtp.load_mtp)")
+    if context_lengths and context_filler is None:
+        raise ValueError("context_lengths needs a context_filler (flashdraft.speculative.context.ContextFiller)")
+    methods = tuple(m for m in METHODS if m == "dflash" or m in baselines)
     block_size = int(drafter.block_size if block_size is None else block_size)
     device = next(target.parameters()).device
     engine = use_engine(target, engine, drafter)  # decided once: every method decodes on the same path
 
-    def decode(method: str, prompt: Prompt, max_new: int, seed: int) -> GenerationResult:
+    def decode(method: str, input_ids: torch.Tensor, max_new: int, seed: int) -> GenerationResult:
         gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
         common = dict(temperature=temperature, stop_token_ids=stop_token_ids, generator=gen, engine=engine)
         if method == "dflash":
-            return generate(target, drafter, prompt.input_ids, max_new, block_size=block_size, **common)
+            return generate(target, drafter, input_ids, max_new, block_size=block_size, **common)
         if method == "autoregressive":
-            return autoregressive_generate(target, prompt.input_ids, max_new, **common)
-        return prompt_lookup_generate(target, prompt.input_ids, max_new, block_size=block_size, **common)
+            return autoregressive_generate(target, input_ids, max_new, **common)
+        if method == "mtp":
+            return mtp_generate(
+                target, mtp_head, input_ids, max_new, num_drafts=mtp_drafts, block_size=block_size, **common
+            )
+        return prompt_lookup_generate(target, input_ids, max_new, block_size=block_size, **common)
 
+    sets: list[tuple[int | None, list[Prompt]]] = [(None, prompts)]
+    for length in context_lengths or ():
+        sets.append((length, [context_filler.padded(p, length) for p in prompts]))
     if engine:
         # Caches sized for the longest prompt and graphs captured once, outside the timed runs.
-        prepare(target, max(p.input_ids.shape[-1] for p in prompts) + max_new_tokens, block_size, drafter)
+        longest = max(p.input_ids.shape[-1] for _, group in sets for p in group)
+        prepare(target, longest + max_new_tokens, block_size, drafter)
     # Warm-up (allocator, lazy imports, autotuned kernels) so that the first timed prompt is not penalised. A few
     # blocks' worth of tokens also reaches some of the wider verifications that deferred tokens make.
-    for method in METHODS:
-        decode(method, prompts[0], min(4 * block_size, max_new_tokens), seed)
+    for method in methods:
+        decode(method, prompts[0].input_ids, min(4 * block_size, max_new_tokens), seed)
 
-    overall = {m: Tally() for m in METHODS}
-    per_category: dict[str, dict[str, Tally]] = {}
-    counts: dict[str, int] = {}
-    mismatches = 0
-    backends: set[str] = set()
-    with _ProgressBar(progress, len(prompts) * len(METHODS)) as bar:
-        for i, prompt in enumerate(prompts):
-            outputs = {}
-            for method in METHODS:
-                bar.describe(f"prompt {i + 1}/{len(prompts)} ({prompt.category}): {method}")
-                result = decode(method, prompt, max_new_tokens, seed + i)
-                bar.advance()
-                outputs[method] = result.tokens
-                backends.add(result.backend)
-                overall[method].add(result)
-                per_category.setdefault(prompt.category, {m: Tally() for m in METHODS})[method].add(result)
-            counts[prompt.category] = counts.get(prompt.category, 0) + 1
-            if temperature <= 0 and outputs["dflash"] != outputs["autoregressive"]:
-                mismatches += 1
+    with _ProgressBar(progress, sum(len(group) for _, group in sets) * len(methods)) as bar:
+        runs = [_decode_all(decode, methods, group, max_new_tokens, seed, temperature, bar, n) for n, group in sets]
 
-    dflash = overall["dflash"]
+    main = runs[0]
+    dflash = main.overall["dflash"]
+    greedy_checked = temperature <= 0 and "autoregressive" in methods
+    mismatches = {m: sum(run.mismatches[m] for run in runs) for m in methods if m != "autoregressive"}
     report = {
-        **_summary(overall, len(prompts)),
-        "per_position_acceptance": [
-            a / o if o else math.nan for a, o in zip(dflash.position_accepted, dflash.position_offered, strict=True)
-        ],
+        **_summary(main.overall, len(prompts)),
+        "per_position_acceptance": dflash.position_acceptance,
         "acceptance_length_histogram": {
             str(length): dflash.acceptance_lengths.count(length) for length in range(1, block_size + 1)
         },
-        "greedy_mismatches": mismatches if temperature <= 0 else None,
-        "backend": "/".join(sorted(backends)),
+        # (prompt, method) pairs, at every context length, whose greedy output differs from autoregressive decoding.
+        "greedy_mismatches": sum(mismatches.values()) if greedy_checked else None,
+        "greedy_mismatches_by_method": mismatches if greedy_checked else None,
+        "backend": "/".join(sorted(set().union(*(run.backends for run in runs)))),
         "block_size": block_size,
         "temperature": temperature,
         "max_new_tokens": max_new_tokens,
-        "per_category": {c: _summary(t, counts[c]) for c, t in sorted(per_category.items())},
+        "methods_run": list(methods),
+        "per_category": {c: _summary(t, main.counts[c]) for c, t in sorted(main.per_category.items())},
     }
+    if "mtp" in methods:
+        report["mtp_drafts"] = mtp_drafts
+    if context_lengths:
+        report["context_filler_tokens"] = min(context_filler.distinct_tokens(p.source) for p in prompts)
+        report["context_lengths"] = [
+            {
+                "context_length": length,
+                "prompt_tokens_mean": sum(p.input_ids.shape[-1] for p in group) / len(group),
+                **_summary(run.overall, len(group)),
+            }
+            for (length, group), run in zip(sets[1:], runs[1:], strict=True)
+        ]
     return report
+
+
+def _decode_all(decode, methods, prompts: list[Prompt], max_new_tokens, seed, temperature, bar, length) -> _Run:
+    """Every method over `prompts` (padded to `length`, or None), tallied overall and per category."""
+    run = _Run({m: Tally() for m in methods}, mismatches=dict.fromkeys(methods, 0))
+    where = "" if length is None else f", context {length}"
+    for i, prompt in enumerate(prompts):
+        outputs = {}
+        for method in methods:
+            bar.describe(f"prompt {i + 1}/{len(prompts)} ({prompt.category}{where}): {method}")
+            result = decode(method, prompt.input_ids, max_new_tokens, seed + i)
+            bar.advance()
+            outputs[method] = result.tokens
+            run.backends.add(result.backend)
+            run.overall[method].add(result)
+            run.per_category.setdefault(prompt.category, {m: Tally() for m in methods})[method].add(result)
+        run.counts[prompt.category] = run.counts.get(prompt.category, 0) + 1
+        if temperature <= 0 and "autoregressive" in outputs:
+            for method in methods:
+                run.mismatches[method] += outputs[method] != outputs["autoregressive"]
+    return run
 
 
 class _ProgressBar:
@@ -211,83 +300,3 @@ class _ProgressBar:
     def advance(self) -> None:
         if self.bar is not None:
             self.bar.advance(self.task)
-
-
-def _fmt(value: float, digits: int = 2, suffix: str = "") -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}{suffix}"
-
-
-def print_report(report: dict, console=None) -> None:
-    """The table, overall and per category (PL: prompt lookup; x AR, x PL: DFlash speedup over them)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    # Written to a file or a pipe, rich would assume 80 columns and cut the numbers to "3.…": 11 columns need ~120.
-    console = console or Console(width=None if sys.stdout.isatty() else 140)
-    table = Table(title=f"DFlash, block {report['block_size']}, temperature {report['temperature']}")
-    columns = ("set", "n", "tau", "p95", "DFlash tok/s", "AR tok/s", "PL tok/s", "PL tau", "x AR", "ceiling", "x PL")
-    for column in columns:
-        table.add_column(column, justify="left" if column == "set" else "right", no_wrap=column == "set")
-    rows = [("overall", report)] + list(report["per_category"].items())
-    for name, s in rows:
-        tps = s["tokens_per_second"]
-        table.add_row(
-            name,
-            str(s["num_prompts"]),
-            _fmt(s["tau"]),
-            _fmt(s["acceptance_length_p95"], 1),
-            _fmt(tps["dflash"], 1),
-            _fmt(tps["autoregressive"], 1),
-            _fmt(tps["prompt_lookup"], 1),
-            _fmt(s["prompt_lookup_tau"]),
-            _fmt(s["speedup"], 2, "x"),
-            _fmt(s["implied_ceiling"], 2, "x"),
-            _fmt(s["speedup_vs_prompt_lookup"], 2, "x"),
-        )
-    console.print(table)
-    rates = " ".join(_fmt(r, 2) for r in report["per_position_acceptance"])
-    console.print(f"per-position acceptance (draft 1..{report['block_size'] - 1}): {rates}")
-    console.print(
-        f"decode step {_fmt(report['decode_step_ms'])} ms (AR), DFlash round {_fmt(report['round_ms'])} ms "
-        f"({report.get('backend', '?')}): implied ceiling tau x step / round = {_fmt(report['implied_ceiling'])}x, "
-        f"measured speedup {_fmt(report['speedup'])}x (prompt processing included)"
-    )
-    if report["greedy_mismatches"]:
-        console.print(
-            f"[yellow]warning: {report['greedy_mismatches']} prompt(s) decoded differently by DFlash and "
-            "autoregressive greedy decoding (expected only from low-precision near-ties)[/yellow]"
-        )
-
-
-def require_matplotlib():
-    """pyplot, or a ValueError (exit 2, before the models load) saying how to get it: --plot is a request, and a run
-    that quietly left out the file asked for would surface only where something reads it."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'flashdraft[plot]', or leave out --plot") from None
-    return plt
-
-
-def write_plot(report: dict, path: str | Path) -> None:
-    """A PNG with the acceptance-length histogram and the per-position acceptance rate."""
-    plt = require_matplotlib()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    hist = report["acceptance_length_histogram"]
-    left.bar([int(k) for k in hist], list(hist.values()), color="tab:blue")
-    left.set(
-        xlabel="tokens per verification (acceptance length)",
-        ylabel="rounds",
-        title=f"acceptance length, tau = {_fmt(report['tau'])}",
-    )
-    rates = report["per_position_acceptance"]
-    right.plot(range(1, len(rates) + 1), rates, marker="o", color="tab:orange")
-    right.set(
-        xlabel="draft position in block", ylabel="acceptance rate", ylim=(0, 1.05), title="per-position acceptance"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

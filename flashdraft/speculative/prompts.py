@@ -3,8 +3,8 @@
     prompts = load_prompts("prompts.jsonl", tokenizer, limit=64)
 
 Each line is `{"messages": [{"role": ..., "content": ...}, ...]}` (rendered with the tokenizer's chat template,
-generation prompt added) or `{"prompt": "raw text"}`, with an optional `"category"`. `flashdraft eval` and the
-measured τ of training read their prompts here.
+generation prompt added) or `{"prompt": "raw text"}`, with an optional `"category"` and `"source"` (the file the
+text came from). `flashdraft eval` and the measured τ of training read their prompts here.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ class Prompt:
     input_ids: torch.Tensor
     category: str
     line: int
+    # The file the prompt's text came from, when the record says (`"source"`): padding for longer contexts
+    # (flashdraft.speculative.context) then leaves that file out.
+    source: str | None = None
 
 
 def load_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[Prompt]:
@@ -38,7 +41,9 @@ def load_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[
             if limit is not None and len(prompts) >= limit:
                 break
             try:
-                prompt = Prompt(_tokenize(record.data, tokenizer), _category(record.data), record.line or 0)
+                data = record.data
+                source = data.get("source") if isinstance(data.get("source"), str) else None
+                prompt = Prompt(_tokenize(data, tokenizer), _category(data), record.line or 0, source)
             except DataError as err:
                 raise err.at(record.source, line=record.line, row=record.row) from None
             prompts.append(prompt)

@@ -120,29 +120,47 @@ def _decode_directly(models, prompts_path, max_new_tokens, block_size):
     return lengths
 
 
+COLORS = {"dflash": (0x1F, 0x77, 0xB4), "prompt_lookup": (0xFF, 0x7F, 0x0E), "autoregressive": (0x7F, 0x7F, 0x7F)}
+
+
+def _color_mask(pixels, rgb):
+    return (pixels - torch.tensor(rgb) / 255).abs().amax(-1) < 0.02
+
+
+def _bar_heights(mask) -> list[float]:
+    """Heights (pixels) of the runs of columns in which `mask` holds, left to right."""
+    columns = mask.any(0).int().tolist()
+    edges = [i for i in range(1, len(columns)) if columns[i] != columns[i - 1]]
+    return [float(mask[:, a:b].sum(0).max()) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
 def _assert_plot_drawn(path, report):
-    """The PNG decodes to the figure's 11 x 4 inches at 120 dpi, with the histogram's bars (tab:blue) in the left
-    panel, one per acceptance length that occurred and as tall as its count, and the acceptance curve (tab:orange)
-    in the right one."""
+    """The PNG decodes to the figure's 16 x 4.5 inches at 120 dpi, in three panels: DFlash's acceptance-length
+    histogram (tab:blue bars, one per acceptance length that occurred and as tall as its count); each speculative
+    method's acceptance by draft position (DFlash blue, prompt lookup tab:orange); tau per method (one bar in each
+    method's colour, as tall as its tau)."""
     from matplotlib import image
 
-    pixels = image.imread(path)[..., :3]
-    assert pixels.shape == (480, 1320, 3) and pixels.std() > 0.05
-    blue = (torch.from_numpy(pixels) - torch.tensor([0x1F, 0x77, 0xB4]) / 255).abs().amax(-1) < 0.02
-    orange = (torch.from_numpy(pixels) - torch.tensor([0xFF, 0x7F, 0x0E]) / 255).abs().amax(-1) < 0.02
-    half = pixels.shape[1] // 2
-    assert blue[:, :half].sum() > 2000 and not blue[:, half:].any()
-    assert orange[:, half:].sum() > 30 and not orange[:, :half].any()
-    # Bars left to right: their heights relative to the tallest are the counts relative to the largest.
-    columns = blue[:, :half].any(0).int().tolist()
-    edges = [i for i in range(1, half) if columns[i] != columns[i - 1]]
-    runs = list(zip(edges[::2], edges[1::2], strict=True))
-    heights = torch.tensor([float(blue[:, a:b].sum(0).max()) for a, b in runs])
+    pixels = torch.from_numpy(image.imread(path)[..., :3])
+    assert tuple(pixels.shape) == (540, 1920, 3) and pixels.std() > 0.05
+    third = pixels.shape[1] // 3
+    left, middle, right = pixels[:, :third], pixels[:, third : 2 * third], pixels[:, 2 * third :]
+    blue = _color_mask(left, COLORS["dflash"])
+    assert blue.sum() > 2000 and not _color_mask(left, COLORS["prompt_lookup"]).any()
+    # Histogram bars left to right: their heights relative to the tallest are the counts relative to the largest.
+    heights = torch.tensor(_bar_heights(blue))
     counts = torch.tensor(
         [float(v) for _, v in sorted((int(k), v) for k, v in report["acceptance_length_histogram"].items()) if v]
     )
-    assert len(runs) == len(counts), (runs, counts)
+    assert len(heights) == len(counts), (heights, counts)
     torch.testing.assert_close(heights / heights.max(), counts / counts.max(), atol=3 / float(heights.max()), rtol=0)
+    for method in ("dflash", "prompt_lookup"):
+        assert _color_mask(middle, COLORS[method]).sum() > 30, method
+    # tau per method: each bar's height relative to DFlash's is its tau relative to DFlash's.
+    taus = {m: report["methods"][m]["tau"] for m in COLORS}
+    bars = {m: max(_bar_heights(_color_mask(right, rgb))) for m, rgb in COLORS.items()}
+    for method in COLORS:
+        assert bars[method] / bars["dflash"] == pytest.approx(taus[method] / taus["dflash"], abs=0.03), method
 
 
 def test_eval_limit_and_stop_tokens(models, tmp_path):

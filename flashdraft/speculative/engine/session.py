@@ -1,9 +1,11 @@
-"""Decoding over the engine: DFlash, prompt lookup and autoregressive, with the statistics of the plain loop.
+"""Decoding over the engine: DFlash, the target's MTP layer, prompt lookup and autoregressive, with the statistics
+of the plain loop.
 
     from flashdraft.speculative.engine.session import engine_decode
     result = engine_decode(target, input_ids, 256, drafter=drafter)          # DFlash
     result = engine_decode(target, input_ids, 256)                           # autoregressive
     result = engine_decode(target, input_ids, 256, lookup=PromptLookupProposer(), block_size=16)
+    result = engine_decode(target, input_ids, 256, mtp=load_mtp(target, path), num_drafts=3)   # the target's MTP
 
 One round: the drafter's step (pending context features, then the block) -> the target's verification of the
 block -> acceptance on the device (argmax agreement, or rejection sampling) -> commit of the accepted prefix
@@ -24,6 +26,7 @@ import torch
 
 from flashdraft import fastpath
 from flashdraft.speculative.engine.drafter_runner import DrafterRunner
+from flashdraft.speculative.engine.mtp_runner import MTPRunner
 from flashdraft.speculative.engine.target_runner import TargetEngine, unsupported_reason
 from flashdraft.speculative.result import GenerationResult
 from flashdraft.speculative.sampling import (
@@ -44,6 +47,7 @@ class Session:
     def __init__(self, engine: TargetEngine, graphs: bool):
         self.engine, self.graphs = engine, graphs
         self.runners: dict[int, DrafterRunner] = {}
+        self.mtp_runners: dict[tuple, MTPRunner] = {}
         # Why a capture failed (the steps then run eagerly: slower, same results); None if none did.
         self.capture_error: str | None = None
         if graphs:
@@ -65,13 +69,17 @@ class Session:
         collector, they would be freed at an unknown moment)."""
         if self.engine.commit_stream is not None:
             self.engine.commit_stream.synchronize()  # no graph is freed while a commit may still run
-        for step in [*self.engine.steps.values(), *(r.step for r in self.runners.values())]:
+        for step in [*self.engine.steps.values(), *(r.step for r in self._all_runners())]:
             step.reset()
         self.runners.clear()
+        self.mtp_runners.clear()
+
+    def _all_runners(self) -> list:
+        return [*self.runners.values(), *self.mtp_runners.values()]
 
     @property
     def captured(self) -> bool:
-        return self.engine.captured and all(r.step.graph is not None for r in self.runners.values())
+        return self.engine.captured and all(r.step.graph is not None for r in self._all_runners())
 
     def runner(self, drafter: torch.nn.Module) -> DrafterRunner:
         key = id(drafter)
@@ -81,6 +89,18 @@ class Session:
             if self.graphs and self.capture_error is None:
                 self._capture(runner)
             self.runners[key] = runner
+        return runner
+
+    def mtp_runner(self, head: torch.nn.Module, num_drafts: int, sampling, generator) -> MTPRunner:
+        """The MTP runner for `head` with these settings (its graph bakes in the number of drafts and sampling)."""
+        key = (id(head), num_drafts, tuple(sampling))
+        runner = self.mtp_runners.get(key)
+        if runner is None or runner.head is not head:
+            runner = MTPRunner(head, self.engine, num_drafts, sampling, generator)
+            if self.graphs and self.capture_error is None:
+                self._capture(runner)
+            self.mtp_runners[key] = runner
+        runner.generator = generator
         return runner
 
 
@@ -163,6 +183,8 @@ def engine_decode(
     *,
     drafter: torch.nn.Module | None = None,
     lookup=None,
+    mtp: torch.nn.Module | None = None,
+    num_drafts: int | None = None,
     block_size: int = 16,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -171,8 +193,9 @@ def engine_decode(
     generator: torch.Generator | None = None,
     graphs: bool | None = None,
 ) -> GenerationResult:
-    """Decode `input_ids` (batch 1) with a DFlash `drafter`, a prompt-`lookup` proposer, or neither (one token per
-    step). graphs: CUDA graphs (default: on a CUDA target)."""
+    """Decode `input_ids` (batch 1) with a DFlash `drafter`, a prompt-`lookup` proposer, the target's `mtp` head
+    (`flashdraft.target.mtp.MTPHead`: `num_drafts` chained drafts per round, default 3, verified in blocks of
+    `block_size`), or none of them (one token per step). graphs: CUDA graphs (default: on a CUDA target)."""
     validate_sampling(temperature, top_p, top_k)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -180,8 +203,8 @@ def engine_decode(
         raise ValueError(f"speculative decoding runs batch 1; got input_ids of shape {tuple(input_ids.shape)}")
     if input_ids.numel() == 0:
         raise ValueError("input_ids is empty: the prompt needs at least one token")
-    if drafter is not None and lookup is not None:
-        raise ValueError("give a drafter or a lookup proposer, not both")
+    if sum(x is not None for x in (drafter, lookup, mtp)) > 1:
+        raise ValueError("give one of a drafter, a lookup proposer and an MTP head")
     # The engine runs its own device-aware kernels; the target's own forward (which callers may run next) gets them.
     fastpath.ensure(target)
     device = next(target.parameters()).device
@@ -190,23 +213,32 @@ def engine_decode(
     result = GenerationResult(tokens=[], num_prompt_tokens=prompt.shape[0], backend="engine")
     if max_new_tokens == 0:
         return result
-    speculative = drafter is not None or lookup is not None
-    num_drafts = block_size - 1 if speculative else 0
+    speculative = drafter is not None or lookup is not None or mtp is not None
+    if mtp is not None:
+        num_drafts = 3 if num_drafts is None else num_drafts
+        if not 1 <= num_drafts < block_size:
+            raise ValueError(f"num_drafts must be in [1, {block_size - 1}] (block_size - 1), got {num_drafts}")
+    else:
+        num_drafts = block_size - 1 if speculative else 0
     result.position_accepted, result.position_offered = [0] * num_drafts, [0] * num_drafts
     layers = list(drafter.target_layer_ids) if drafter is not None else None
     sess = session(target, prompt.shape[0] + max_new_tokens, block_size if speculative else None, layers, graphs)
     engine = sess.engine
+    sampling = (temperature, top_p, top_k)
     runner = sess.runner(drafter) if drafter is not None else None
+    if mtp is not None:
+        runner = sess.mtp_runner(mtp, num_drafts, sampling, generator)
     result.backend = "engine+graphs" if sess.captured else "engine"
     stops = set(stop_token_ids or ())
-    sampling = (temperature, top_p, top_k)
 
     start = _now(device)
     logits = engine.prefill(prompt.to(device))
     result.num_target_forwards = 1
     last = int(next_token(logits, *sampling, generator))
     result.tokens.append(last)
-    if runner is not None:
+    if mtp is not None:
+        runner.prefill(prompt, last)
+    elif runner is not None:
         runner.prefill(engine.prompt_features)
         runner.block_ids[0] = last
     history = prompt.tolist() + [last] if lookup is not None else None
@@ -220,7 +252,9 @@ def engine_decode(
         if want > 0 and runner is not None:
             if not drafted:
                 runner.draft()
-            if temperature > 0:
+            if temperature > 0 and mtp is not None:  # drawn inside the MTP step: each draft feeds the next
+                drafts, draft_probs = runner.drafts[:want], runner.probs[:want]
+            elif temperature > 0:
                 draft_probs = sampling_probs(runner.logits[:want], *sampling)
                 drafts = sample(draft_probs, generator)
             else:
@@ -280,7 +314,9 @@ def _verify_round(engine, runner, drafts, draft_probs, sampling, generator, draf
         accepted, bonus = rejection_sample_tensors(drafts, draft_probs, sampling_probs(logits, *sampling), generator)
     engine.keep.copy_(accepted + 1)
     engine.commit()
-    if runner is not None:
+    if isinstance(runner, MTPRunner):
+        runner.note_verified(accepted, bonus)
+    elif runner is not None:
         runner.pending.copy_(engine.keep)
         runner.block_ids[:1].copy_(bonus.view(1))
     # The one host synchronisation of the round.

@@ -12,14 +12,13 @@ Caches are preallocated for `max_len` tokens: keys/values of the full-attention 
 W-1 inputs) and the recurrent state of each Gated DeltaNet layer. The number of cached tokens lives in a device
 tensor (`length`), so one captured graph serves every context length.
 
-Exact rollback. A verification reads the linear-attention states but does not advance them; it keeps what the
-recurrence consumes (the conv inputs and outputs, the raw decay and beta projections of the block; the
-projections are computed straight into those buffers). `commit` then advances the states over exactly the first
-`keep` tokens, all layers at once: the conv window is the last W-1 of `[state, inputs[:keep]]`, and the delta
-rule runs over the block with beta = 0 and decay = 1 (g = 0) after `keep`. Such a step leaves the state bit for
-bit unchanged (S * 1 + k * 0), so the committed state is the one that the same kernel reaches over the `keep`
-tokens alone; the attention layers only need `length` advanced (rows past it are masked and
-later overwritten). tests/speculative/engine prove the result equal to a no-cache forward of the whole sequence.
+Exact rollback: a verification reads the linear-attention states without advancing them, and `commit` advances
+them over exactly the first `keep` tokens (`mixers.commit_linear` says how); the attention layers only need
+`length` advanced (rows past it are masked and later overwritten). tests/speculative/engine prove the result equal
+to a no-cache forward of the whole sequence.
+
+The final-normed hidden states (the LM head's input) of the prompt and of the last verified block are kept too
+(`prompt_hidden`, `verify_hidden`): the target's MTP layer reads them (`mtp_runner`).
 
 On a GPU the commit runs on a side stream: nothing the drafter computes next depends on it, so it overlaps the
 next draft; the next decode, verify or prefill waits for it (`join`).
@@ -30,30 +29,16 @@ names what else is found. The MLPs, norms and projections are the model's own mo
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from flashdraft.fastpath.backends import gated_norm_forward
 from flashdraft.speculative.engine import ops
 from flashdraft.speculative.engine.graphs import Step, capture_all
+from flashdraft.speculative.engine.mixers import LinearStates, attention, commit_linear, linear_attention
 
-# Prompts up to this length go through the fused recurrent kernel (exact float32 arithmetic; launch-bound either
-# way at this length); longer ones through fla's chunk kernel (matmul-based: TF32 for float32 inputs on a GPU).
-SHORT_PREFILL = 64
 _GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj")
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
-
-
-def _project(linear: torch.nn.Module, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """`linear(x)`, written into `out` when given: by the matmul itself for a plain bias-free Linear (the same
-    cuBLAS call as F.linear, so the same bits), else copied."""
-    if out is None:
-        return linear(x)
-    if type(linear) is torch.nn.Linear and linear.bias is None:
-        return torch.mm(x, linear.weight.t(), out=out)
-    return out.copy_(linear(x))
 
 
 def text_model(target: torch.nn.Module) -> torch.nn.Module:
@@ -87,43 +72,6 @@ def unsupported_reason(target: torch.nn.Module) -> str | None:
         if mixer is None or not all(hasattr(mixer, p) for p in parts):
             return f"layer {i}: {type(mixer).__name__} has not the parts {parts}"
     return None
-
-
-class _LinearStates:
-    """Static buffers of all Gated DeltaNet layers: their states and what a verification keeps for `commit`.
-
-    The layers share their shapes, so the buffers are stacked: a layer's states are contiguous views, and `commit`
-    advances every layer at once — the delta rule runs over all layers' heads side by side (layer l's value head j
-    is head l * HV + j, and its key head lands where the kernel's grouping expects it), a handful of kernels per
-    round instead of a handful per layer.
-    """
-
-    def __init__(self, modules: dict[int, torch.nn.Module], block_size: int, dtype, state_dtype, device):
-        first = next(iter(modules.values()))
-        conv_dim, width = first.conv1d.weight.shape[0], first.conv1d.weight.shape[-1]
-        count, heads_k, heads_v = len(modules), first.num_k_heads, first.num_v_heads
-        k_dim, v_dim = first.head_k_dim, first.head_v_dim
-        for i, m in modules.items():
-            if (m.conv1d.weight.shape[0], m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim) != (
-                conv_dim,
-                heads_k,
-                heads_v,
-                k_dim,
-                v_dim,
-            ):
-                raise ValueError(f"layer {i}: Gated DeltaNet shapes differ from layer {next(iter(modules))}'s")
-        self.slot = {i: j for j, i in enumerate(modules)}
-        self.heads_k, self.heads_v, self.k_dim, self.v_dim = heads_k, heads_v, k_dim, v_dim
-        self.conv = torch.zeros(count, conv_dim, width - 1, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(count, heads_v, k_dim, v_dim, dtype=state_dtype, device=device)
-        # What a verification keeps, per layer (layer-major, so that each layer's slice is contiguous).
-        self.block_inputs = torch.zeros(count, block_size, conv_dim, dtype=dtype, device=device)  # conv inputs
-        self.block_qkv = torch.zeros(count, block_size, conv_dim, dtype=dtype, device=device)  # conv outputs
-        self.block_b = torch.zeros(count, block_size, heads_v, dtype=dtype, device=device)  # raw beta projection
-        self.block_a = torch.zeros(count, block_size, heads_v, dtype=dtype, device=device)  # raw decay projection
-        # Per-layer decay parameters side by side, as the stacked heads need them.
-        self.A_log = torch.cat([m.A_log.detach() for m in modules.values()])
-        self.dt_bias = torch.cat([m.dt_bias.detach() for m in modules.values()])
 
 
 class TargetEngine:
@@ -173,7 +121,7 @@ class TargetEngine:
         linear = {i: layer.linear_attn for i, layer in enumerate(self.layers) if hasattr(layer, "linear_attn")}
         # The layers' gated output norms as one fla kernel on the GPU whether or not fastpath.enable() ran.
         self.gated_norms = {i: gated_norm_forward(m.norm) for i, m in linear.items()}
-        self.linear = _LinearStates(linear, block_size, dt, state_dtype, dev) if linear else None
+        self.linear = LinearStates(linear, block_size, dt, state_dtype, dev) if linear else None
         for i, layer in enumerate(self.layers):
             if not hasattr(layer, "linear_attn"):
                 attn = layer.self_attn
@@ -194,6 +142,11 @@ class TargetEngine:
         self.verify_logits = torch.zeros(block_size, vocab, dtype=dt, device=dev)
         self.features = torch.zeros(block_size, width, dtype=dt, device=dev)
         self.prompt_features: torch.Tensor | None = None
+        # Final-normed hidden states (the LM head's input) of the verified block and of the prompt: what the
+        # target's MTP layer reads (mtp_runner).
+        self.verify_hidden = torch.zeros(block_size, self.inner.config.hidden_size, dtype=dt, device=dev)
+        self.prompt_hidden: torch.Tensor | None = None
+        self.prefill_keep: torch.Tensor | None = None  # the prompt's length on the device, during a prefill
         self.num_tokens = 0  # host mirror of `length`
         cuda = dev.type == "cuda"
         # The commit's own stream on a GPU (see the module docstring); None: commits run in line.
@@ -243,6 +196,7 @@ class TargetEngine:
         self.prefill_keep = torch.tensor(length, device=self.device)
         hidden, features = self._forward(ids.to(self.device), positions, mode="prefill")
         self.prompt_features = torch.cat(features, dim=-1) if features else None
+        self.prompt_hidden = hidden
         self.length.fill_(length)
         self.num_tokens = length
         return self.lm_head(hidden[-1:])[0]
@@ -307,30 +261,15 @@ class TargetEngine:
     def _verify(self) -> None:
         positions = self.length + self.block_index
         hidden, features = self._forward(self.verify_ids, positions, mode="verify")
+        self.verify_hidden.copy_(hidden)
         self.verify_logits.copy_(self.lm_head(hidden))
         if features:
             self.features.copy_(torch.cat(features, dim=-1))
 
     def _commit(self) -> None:
         self.length.add_(self.keep)
-        states = self.linear
-        if states is None:
-            return
-        states.conv.copy_(ops.conv_tail(states.conv, states.block_inputs, self.keep))
-        # All layers' heads side by side (see _LinearStates); beta = 0 and decay 1 (a = -inf: g = -0) past `keep`:
-        # those steps leave the state exactly as it was. Keys, values and beta are derived from the kept conv
-        # outputs and projections by the same ops as in the verification, so they are the same bits.
-        rejected = (self.block_index >= self.keep)[:, None]
-        count, length, _ = states.block_qkv.shape
-        key_dim = states.heads_k * states.k_dim
-        qkv = states.block_qkv.transpose(0, 1)  # (T, layers, conv_dim)
-        k = qkv[..., key_dim : 2 * key_dim].reshape(length, count * states.heads_k, states.k_dim)
-        v = qkv[..., 2 * key_dim :].reshape(length, count * states.heads_v, states.v_dim)
-        a = states.block_a.transpose(0, 1).reshape(length, -1).masked_fill(rejected, float("-inf"))
-        beta = states.block_b.transpose(0, 1).reshape(length, -1).sigmoid().masked_fill(rejected, 0)
-        recurrent = states.recurrent.view(count * states.heads_v, *states.recurrent.shape[2:])
-        _, final = ops.delta_rule(k, k, v, a, beta, states.A_log, states.dt_bias, recurrent, True)
-        recurrent.copy_(final)
+        if self.linear is not None:
+            commit_linear(self.linear, self.keep, self.block_index)
 
     # ---- the model -------------------------------------------------------------------------------------------
 
@@ -344,9 +283,10 @@ class TargetEngine:
             residual = hidden
             x = self._norm(layer.input_layernorm, hidden)[0]
             if self.linear is not None and i in self.linear.slot:
-                x = self._linear_attention(i, layer.linear_attn, x, mode)
+                gated_norm = self.gated_norms[i]
+                x = linear_attention(layer.linear_attn, self.linear, i, x, mode, gated_norm, self.prefill_keep)
             else:
-                x = self._attention(i, layer.self_attn, x, positions, cos, sin, visible)
+                x = attention(layer.self_attn, x, positions, cos, sin, self.kv[i], visible, self._norm)
             hidden = residual + x[None]
             hidden = hidden + layer.mlp(self._norm(layer.post_attention_layernorm, hidden))
             if i in self.feature_layers:
@@ -355,72 +295,3 @@ class TargetEngine:
 
     def _norm(self, module, x):
         return self.norms[id(module)](x)
-
-    def _attention(self, i: int, attn, x, positions, cos, sin, visible) -> torch.Tensor:
-        length, dim = x.shape[0], attn.head_dim
-        projected = attn.q_proj(x)
-        gate = None
-        if projected.shape[-1] == 2 * attn.config.num_attention_heads * dim:
-            # Qwen3.5's output gate: q_proj yields [query | gate] per head.
-            query, gate = torch.chunk(projected.view(length, -1, 2 * dim), 2, dim=-1)
-            gate = gate.reshape(length, -1)
-        else:
-            query = projected.view(length, -1, dim)
-        query = self._norm(attn.q_norm, query).transpose(0, 1)
-        key = self._norm(attn.k_norm, attn.k_proj(x).view(length, -1, dim)).transpose(0, 1)
-        value = attn.v_proj(x).view(length, -1, dim).transpose(0, 1)
-        # The family's own RoPE function (partial rotary for Qwen3.5), on (1, heads, T, d).
-        rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        query, key = rope(query[None], key[None], cos[None], sin[None])
-        query, key = query[0], key[0]
-        keys, values = self.kv[i]
-        keys.index_copy_(1, positions, key)
-        values.index_copy_(1, positions, value)
-        if visible is None:
-            out = ops.causal_attention(query, key, value, attn.scaling)
-        else:
-            out = ops.cached_attention(query, keys, values, visible, attn.scaling)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return attn.o_proj(out)
-
-    @staticmethod
-    def _split_qkv(module, qkv: torch.Tensor):
-        length = qkv.shape[0]
-        q, k, v = torch.split(qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-        return (
-            q.reshape(length, -1, module.head_k_dim),
-            k.reshape(length, -1, module.head_k_dim),
-            v.reshape(length, -1, module.head_v_dim),
-        )
-
-    def _linear_attention(self, i: int, module, x: torch.Tensor, mode: str) -> torch.Tensor:
-        """A Gated DeltaNet layer (transformers' Qwen3_5GatedDeltaNet arithmetic) over static states."""
-        states, j = self.linear, self.linear.slot[i]
-        conv, recurrent = states.conv[j], states.recurrent[j]
-        length = x.shape[0]
-        verify = mode == "verify"
-        # A verification computes what commit needs straight into its buffers (no copy kernels).
-        inputs = _project(module.in_proj_qkv, x, states.block_inputs[j] if verify else None)
-        z = module.in_proj_z(x)
-        b = _project(module.in_proj_b, x, states.block_b[j] if verify else None)
-        a = _project(module.in_proj_a, x, states.block_a[j] if verify else None)
-        weight = module.conv1d.weight.squeeze(1)
-        if mode == "decode":
-            qkv = ops.causal_conv_step(inputs, conv, weight, module.conv1d.bias)  # advances the window
-        else:
-            qkv = ops.causal_conv(inputs, conv, weight, module.conv1d.bias)
-        if verify:
-            states.block_qkv[j].copy_(qkv)
-        beta = b.sigmoid()
-        q, k, v = self._split_qkv(module, qkv)
-        advance, chunked = mode != "verify", mode == "prefill" and length > SHORT_PREFILL
-        out, final = ops.delta_rule(
-            q, k, v, a, beta, module.A_log, module.dt_bias, recurrent, output_final_state=advance, chunked=chunked
-        )
-        if mode == "prefill":
-            conv.copy_(ops.conv_tail(conv, inputs, self.prefill_keep))
-        if advance:
-            recurrent.copy_(final)
-        out = self.gated_norms[i](out.reshape(-1, module.head_v_dim).to(x.dtype), z.reshape(-1, module.head_v_dim))
-        return module.out_proj(out.reshape(length, -1))

@@ -1,0 +1,170 @@
+"""The report of `flashdraft eval` (`flashdraft.speculative.evaluate.evaluate`'s dict) as tables and as a plot.
+
+    print_report(report)              # DFlash overall and per category; every method side by side; context lengths
+    write_plot(report, "eval.png")    # DFlash's acceptance lengths, every method's acceptance by position and tau
+
+Columns: PL is prompt lookup, AR autoregressive decoding, `x AR` / `x PL` DFlash's speedup over them; in the
+table of every method, the speedup is each method's over autoregressive decoding.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+LABELS = {"dflash": "DFlash", "mtp": "MTP", "prompt_lookup": "prompt lookup", "autoregressive": "autoregressive"}
+# One colour per method in every panel of the plot.
+COLORS = {"dflash": "tab:blue", "mtp": "tab:green", "prompt_lookup": "tab:orange", "autoregressive": "tab:gray"}
+
+
+def _fmt(value: float, digits: int = 2, suffix: str = "") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}{suffix}"
+
+
+def _label(report: dict, method: str) -> str:
+    return LABELS[method] + (f" ({report['mtp_drafts']} drafts)" if method == "mtp" else "")
+
+
+def print_report(report: dict, console=None) -> None:
+    """The tables (see the module docstring) and, when some greedy output differed from autoregressive decoding's,
+    a warning naming the methods."""
+    from rich.console import Console
+    from rich.table import Table
+
+    # Written to a file or a pipe, rich would assume 80 columns and cut the numbers to "3.…": 11 columns need ~120.
+    console = console or Console(width=None if sys.stdout.isatty() else 140)
+    table = Table(title=f"DFlash, block {report['block_size']}, temperature {report['temperature']}")
+    columns = ("set", "n", "tau", "p95", "DFlash tok/s", "AR tok/s", "PL tok/s", "PL tau", "x AR", "ceiling", "x PL")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "set" else "right", no_wrap=column == "set")
+    rows = [("overall", report)] + list(report["per_category"].items())
+    for name, s in rows:
+        tps = s["tokens_per_second"]
+        table.add_row(
+            name,
+            str(s["num_prompts"]),
+            _fmt(s["tau"]),
+            _fmt(s["acceptance_length_p95"], 1),
+            _fmt(tps["dflash"], 1),
+            _fmt(tps.get("autoregressive", math.nan), 1),
+            _fmt(tps.get("prompt_lookup", math.nan), 1),
+            _fmt(s["prompt_lookup_tau"]),
+            _fmt(s["speedup"], 2, "x"),
+            _fmt(s["implied_ceiling"], 2, "x"),
+            _fmt(s["speedup_vs_prompt_lookup"], 2, "x"),
+        )
+    console.print(table)
+    rates = " ".join(_fmt(r, 2) for r in report["per_position_acceptance"])
+    console.print(f"per-position acceptance (draft 1..{report['block_size'] - 1}): {rates}")
+    console.print(
+        f"decode step {_fmt(report['decode_step_ms'])} ms (AR), DFlash round {_fmt(report['round_ms'])} ms "
+        f"({report.get('backend', '?')}): implied ceiling tau x step / round = {_fmt(report['implied_ceiling'])}x, "
+        f"measured speedup {_fmt(report['speedup'])}x (prompt processing included)"
+    )
+    _print_methods(report, console)
+    if report.get("context_lengths"):
+        _print_context_lengths(report, console)
+    if report["greedy_mismatches"]:
+        which = ", ".join(f"{LABELS[m]} {n}" for m, n in report["greedy_mismatches_by_method"].items() if n)
+        console.print(
+            f"[yellow]warning: prompts decoded differently from autoregressive greedy decoding: {which} (expected "
+            "only from low-precision near-ties)[/yellow]"
+        )
+
+
+def _print_methods(report: dict, console) -> None:
+    """Every method on the same prompts: tau, tokens/s, speedup over autoregressive decoding, acceptance by position."""
+    from rich.table import Table
+
+    table = Table(title="every method on the same prompts (speedup: over autoregressive decoding)")
+    for column in ("method", "tau", "p95", "tok/s", "speedup", "ms / round", "acceptance by draft position"):
+        table.add_column(column, justify="left" if column in ("method", "acceptance by draft position") else "right")
+    for method, s in report["methods"].items():
+        rates = s["per_position_acceptance"]
+        shown = " ".join(_fmt(r, 2) for r in rates[:8]) + (" …" if len(rates) > 8 else "")
+        table.add_row(
+            _label(report, method),
+            _fmt(s["tau"]),
+            _fmt(s["acceptance_length_p95"], 1),
+            _fmt(s["tokens_per_second"], 1),
+            _fmt(s["speedup"], 2, "x"),
+            _fmt(s["round_ms"]),
+            shown,
+        )
+    console.print(table)
+
+
+def _print_context_lengths(report: dict, console) -> None:
+    from rich.table import Table
+
+    table = Table(title="tau and speedup by context length (prompts left-padded with held-out text)")
+    table.add_column("context", justify="right")
+    table.add_column("prompt tokens", justify="right")
+    methods = [m for m in report["methods_run"] if m != "autoregressive"]
+    for method in methods:
+        table.add_column(f"{LABELS[method]} tau", justify="right")
+        table.add_column(f"{LABELS[method]} x AR", justify="right")
+    for row in report["context_lengths"]:
+        cells = [str(row["context_length"]), _fmt(row["prompt_tokens_mean"], 0)]
+        for method in methods:
+            s = row["methods"][method]
+            cells += [_fmt(s["tau"]), _fmt(s["speedup"], 2, "x")]
+        table.add_row(*cells)
+    console.print(table)
+    longest = max(row["context_length"] for row in report["context_lengths"])
+    if longest > report["context_filler_tokens"]:
+        console.print(
+            f"note: the held-out text has {report['context_filler_tokens']} tokens; longer paddings repeat it, which "
+            "favours prompt lookup"
+        )
+
+
+def require_matplotlib():
+    """pyplot, or a ValueError (exit 2, before the models load) saying how to get it: --plot is a request, and a run
+    that quietly left out the file asked for would surface only where something reads it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'flashdraft[plot]', or leave out --plot") from None
+    return plt
+
+
+def write_plot(report: dict, path: str | Path) -> None:
+    """A PNG of three panels: DFlash's acceptance-length histogram; every speculative method's acceptance by draft
+    position; tau per method, its bar labelled with the speedup over autoregressive decoding (with a context-length
+    sweep: tau per method by context length)."""
+    plt = require_matplotlib()
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.5))
+    hist = report["acceptance_length_histogram"]
+    left.bar([int(k) for k in hist], list(hist.values()), color=COLORS["dflash"])
+    left.set(
+        xlabel="tokens per verification (acceptance length)",
+        ylabel="rounds",
+        title=f"DFlash acceptance length, tau = {_fmt(report['tau'])}",
+    )
+    speculative = [m for m in report["methods"] if m != "autoregressive"]
+    for method in speculative:
+        rates = report["methods"][method]["per_position_acceptance"]
+        middle.plot(range(1, len(rates) + 1), rates, marker="o", color=COLORS[method], label=LABELS[method])
+    middle.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05), title="acceptance by draft position")
+    middle.legend()
+    if report.get("context_lengths"):
+        lengths = [row["context_length"] for row in report["context_lengths"]]
+        for method in speculative:
+            taus = [row["methods"][method]["tau"] for row in report["context_lengths"]]
+            right.plot(lengths, taus, marker="o", color=COLORS[method], label=LABELS[method])
+        right.set(xscale="log", xlabel="context length (tokens)", ylabel="tau", title="tau by context length")
+        right.legend()
+    else:
+        methods = list(report["methods"])
+        taus = [report["methods"][m]["tau"] for m in methods]
+        bars = right.bar([LABELS[m] for m in methods], taus, color=[COLORS[m] for m in methods])
+        right.bar_label(bars, labels=[_fmt(report["methods"][m]["speedup"], 2, "x") for m in methods])
+        right.set(ylabel="tau (bar labels: speedup over AR)", title="tau per method")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
