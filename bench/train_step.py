@@ -1,7 +1,9 @@
 """One DFlash training step at Qwen3.5-27B scale on one GPU: flashdraft as shipped vs the naive trainer, same run.
 
-    python -m bench.train_step --seq 3072 --seq 32768 --json train_step.json    # an H200: ~4-5 min warm
+    python -m bench.train_step --seq 3072,32768 --json train_step.json          # an H200: ~4-5 min warm
     python -m bench.train_step --seq 3072 --ablate                              # + each lever switched off
+    python -m bench.train_step --seq 3072,32768 --try target.precision=fp8      # + the FP8 target
+    python -m bench.train_step --seq 131072 --warmup 1 --steps 2 target.precision=fp8   # long context
     python -m bench.train_step --smoke                                          # tiny, on a CPU
 
 (from the repository root). One random Qwen3.5-27B-shaped target (bf16, built on the GPU, layers 0..61: the last
@@ -14,13 +16,16 @@ captured layer is 61), then per sequence length, 512 anchors x 16, batch 1:
                `train.*` and `target.*` on CUDA
   --ablate     adds flashdraft with train.compile=false, and with train.attention=sdpa too (what each lever buys),
                and times the target's forward with cuDNN attention first
-  --try K=V    adds flashdraft with one more override (repeatable), e.g. --try target.cudnn_attention=true
+  --try K=V    adds flashdraft with one more override (repeatable), e.g. --try target.cudnn_attention=true;
+               target.precision=fp8 converts the shared target's linears in place (one-way), so the FP8 variants
+               run after every bf16 one, at every length
   --profile-target  GPU time of one `FrozenTarget.capture` by kernel family and the top kernels (where the target
                forward, most of a long-sequence step, goes)
 Each: warmup steps, then timed steps: median wall seconds per step (synchronised), sequence tokens/s, MFU of one FLOP
 count per length (the cost model of `flashdraft.train.flops.step_flops`, printed; docs/benchmarks.md explains it),
-peak GPU memory of the timed steps, CUDA-event breakdown by phase.
-Extra arguments `section.field=value` override flashdraft's config (e.g. train.compile=false).
+peak GPU memory of the timed steps, CUDA-event breakdown by phase. A variant that runs out of GPU memory is
+recorded as OOM (the naive trainer does from about 65536 tokens: it holds every layer's hidden states), and the run
+goes on. Extra arguments `section.field=value` override flashdraft's config (e.g. train.compile=false).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import torch
 
 from bench import naive_train_step as naive
 from bench.anchors import fla_kernels
-from flashdraft.train import bench as fbench
+from flashdraft.train import step_timing
 
 MASK_TOKEN = 248070
 
@@ -132,6 +137,21 @@ def free(*objs) -> None:
         torch.cuda.empty_cache()
 
 
+def lengths(text: str) -> list[int]:
+    """--seq: one length or several separated by commas ("65536,131072")."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seq {text!r}: lengths in tokens, separated by commas") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--seq {text!r}: lengths in tokens, separated by commas")
+    return values
+
+
+def oom_row(variant: str, seq: int, exc: BaseException) -> dict:
+    return {"variant": variant, "seq": seq, "error": f"OOM: {str(exc).splitlines()[0][:160]}"}
+
+
 def run_naive(model, d, seq, device, dtype, warmup, steps, flops) -> dict:
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
 
@@ -146,26 +166,26 @@ def run_naive(model, d, seq, device, dtype, warmup, steps, flops) -> dict:
     variant = "naive (fla target)" if kernels is not None else "naive (torch target)"
     torch.manual_seed(1)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # the anchor's drafter is plain bf16, weights and AdamW states alike
+    drafter = optimizer = None
     try:
-        with torch.device(device):
-            drafter = naive.Drafter(d)
-    finally:
-        torch.set_default_dtype(default)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device == "cuda")
-    generator = torch.Generator(device=device).manual_seed(2)
-    try:
-        result = fbench.measure(
-            naive.make_step(model, drafter, optimizer, d, seq, device, generator), torch.device(device), warmup, steps
-        )
+        torch.set_default_dtype(dtype)  # the anchor's drafter is plain bf16, weights and AdamW states alike
+        try:
+            with torch.device(device):
+                drafter = naive.Drafter(d)
+        finally:
+            torch.set_default_dtype(default)
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device == "cuda")
+        generator = torch.Generator(device=device).manual_seed(2)
+        step = naive.make_step(model, drafter, optimizer, d, seq, device, generator)
+        result = step_timing.measure(step, torch.device(device), warmup, steps)
     except torch.cuda.OutOfMemoryError as exc:
-        result = {"error": f"OOM: {str(exc)[:160]}"}
+        result = oom_row(variant, seq, exc)
     finally:
         for n, fn in saved.items():
             setattr(mq, n, fn)
     free(drafter, optimizer)
     if "error" in result:
-        return {"variant": variant, "seq": seq, **result}
+        return result
     peak = fbench_peak(device)
     return {
         "variant": variant,
@@ -187,13 +207,18 @@ def fbench_peak(device: str):
 
 def run_flashdraft(target, d, seq, device, warmup, steps, overrides, label="flashdraft") -> dict:
     cfg = flashdraft_config(d, seq, device, overrides)
-    s = fbench.bench_setup(cfg, target, steps=warmup + steps)
+    s = None
     try:
-        result = fbench.run_train_step(s, cfg, warmup=warmup, steps=steps)
+        s = step_timing.bench_setup(cfg, target, steps=warmup + steps)
+        result = step_timing.run_train_step(s, cfg, warmup=warmup, steps=steps)
     except torch.cuda.OutOfMemoryError as exc:
-        result = {"error": f"OOM: {str(exc)[:160]}"}
+        result = oom_row(label, seq, exc)
     free(s)
     return {**result, "variant": label, "seq": seq, "overrides": overrides}
+
+
+def precision_of(d: naive.Dims, device: str, overrides: list[str]) -> str:
+    return flashdraft_config(d, 16, device, overrides).target.precision
 
 
 def target_sdpa_backends(target, d: naive.Dims, seq: int) -> dict:
@@ -244,28 +269,64 @@ def print_target_profile(row: dict) -> None:
 
 
 def compare(rows: list[dict], seqs: list[int]) -> dict:
-    """Per length: flashdraft against the naive trainer of the same run."""
+    """Per length and flashdraft variant: its step against the naive trainer of the same run ("OOM" where one ran
+    out of memory)."""
     out = {}
     for seq in seqs:
-        a = next((r for r in rows if r["seq"] == seq and r["variant"] == "flashdraft" and "error" not in r), None)
-        b = next((r for r in rows if r["seq"] == seq and r["variant"].startswith("naive") and "error" not in r), None)
-        if a is None:
-            continue
-        c = {"mfu": a["mfu"], "step_s": a["step_s"]}
-        if b is not None:
-            c |= {
-                "speedup_vs_naive": b["step_s"] / a["step_s"],
-                "naive_mfu": b["mfu"],
-                "peak_gib": a["peak_gib"],
-                "naive_peak_gib": b["peak_gib"],
-            }
-        out[str(seq)] = c
+        at = [r for r in rows if r["seq"] == seq and ("step_s" in r or "error" in r)]
+        b = next((r for r in at if r["variant"].startswith("naive")), None)
+        per = {}
+        for a in (r for r in at if r["variant"].startswith("flashdraft")):
+            if "error" in a:
+                per[a["variant"]] = "OOM"
+                continue
+            c = {"mfu": a["mfu"], "step_s": a["step_s"], "peak_gib": a["peak_gib"]}
+            if b is not None and "error" in b:
+                c["naive"] = "OOM"
+            elif b is not None:
+                c |= {
+                    "speedup_vs_naive": b["step_s"] / a["step_s"],
+                    "naive_mfu": b["mfu"],
+                    "naive_peak_gib": b["peak_gib"],
+                }
+            per[a["variant"]] = c
+        if per:
+            out[str(seq)] = per
     return out
+
+
+def write_report(args, rows: list[dict], seqs: list[int], flops: dict, t0: float) -> dict:
+    """Write --json (every row so far, the FLOP counts, the machine); returns the comparison. Called after each
+    row too, so that a run cut short by a time limit keeps what it measured."""
+    summary = compare(rows, seqs)
+    report = {
+        "machine": step_timing.machine(),
+        "smoke": args.smoke,
+        "flops_per_step": {str(k): v for k, v in flops.items()},
+        "results": rows,
+        "comparison": summary,
+        "wall_s": time.time() - t0,
+    }
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        tmp = f"{args.json}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(report, fh, indent=1)
+        os.replace(tmp, args.json)
+    return summary
+
+
+def print_oom(rows: list[dict]) -> None:
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:22s} {r['seq']:6d}  {r['error']}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq", type=int, action="append", help="sequence length (repeatable); default 3072")
+    ap.add_argument(
+        "--seq", type=lengths, action="extend", help="sequence lengths, comma-separated (repeatable); default 3072"
+    )
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (flashdraft's first compiles)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per variant")
     ap.add_argument("--json", help="write every row, the FLOP counts and the machine here")
@@ -324,54 +385,52 @@ def main() -> None:
     if not args.skip_naive:
         for seq in seqs:
             rows.append(run_naive(model, d, seq, device, dtype, args.warmup, args.steps, flops[seq]))
-            print(fbench.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
+            print(step_timing.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
+            write_report(args, rows, seqs, flops, t0)
+            free()
 
     from flashdraft.target import FrozenTarget
 
     target = FrozenTarget(model, list(d.layer_ids), config=full_config)
     print(f"flashdraft target fast path: {target.fastpath_report.summary()}", flush=True)
-    variants = [("flashdraft", list(args.overrides))]
+    variants = [("flashdraft" + (f"[{','.join(args.overrides)}]" if args.overrides else ""), list(args.overrides))]
     if args.ablate:
         variants += [
             ("flashdraft[eager]", [*args.overrides, "train.compile=false"]),
             ("flashdraft[eager,sdpa]", [*args.overrides, "train.compile=false", "train.attention=sdpa"]),
         ]
     variants += [(f"flashdraft[{extra}]", [*args.overrides, extra]) for extra in args.tries]
-    for seq in seqs:
-        # Each length compiles its own static graphs, as it would run alone (a training run's varying lengths get
-        # one dynamic graph after the second length instead).
-        torch._dynamo.reset()
-        if args.ablate and device == "cuda":
-            rows.append(target_sdpa_backends(target, d, seq))
-            print(rows[-1], flush=True)
-        if args.profile_target:
-            rows.append(target_profile(target, d, seq, device))
-            print_target_profile(rows[-1])
-        for label, overrides in variants:
-            t1 = time.time()
-            rows.append(run_flashdraft(target, d, seq, device, args.warmup, args.steps, overrides, label))
-            rows[-1]["wall_incl_compile_s"] = time.time() - t1
-            print(fbench.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
+    # FP8 converts the shared target in place (its bf16 weights are freed): every bf16 variant runs first.
+    for precision in ("bf16", "fp8"):
+        chosen = [(label, o) for label, o in variants if precision_of(d, device, o) == precision]
+        for seq in seqs if chosen else ():
+            # Each length compiles its own static graphs, as it would run alone (a training run's varying lengths
+            # get one dynamic graph after the second length instead).
+            torch._dynamo.reset()
+            if args.ablate and device == "cuda" and precision == "bf16":
+                rows.append(target_sdpa_backends(target, d, seq))
+                print(rows[-1], flush=True)
+            if args.profile_target and precision == "bf16":
+                rows.append(target_profile(target, d, seq, device))
+                print_target_profile(rows[-1])
+            for label, overrides in chosen:
+                t1 = time.time()
+                rows.append(run_flashdraft(target, d, seq, device, args.warmup, args.steps, overrides, label))
+                rows[-1]["wall_incl_compile_s"] = time.time() - t1
+                print(step_timing.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
+                write_report(args, rows, seqs, flops, t0)
+            if precision == "fp8" and args.profile_target:
+                rows.append(target_profile(target, d, seq, device) | {"variant": "target profile (fp8)"})
+                print_target_profile(rows[-1])
 
-    summary = compare(rows, seqs)
-    report = {
-        "machine": fbench.machine(),
-        "smoke": args.smoke,
-        "flops_per_step": {str(k): v for k, v in flops.items()},
-        "results": rows,
-        "comparison": summary,
-        "wall_s": time.time() - t0,
-    }
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=1)
+    summary = write_report(args, rows, seqs, flops, t0)
     print(f"\n{json.dumps(summary)}\n{time.time() - t0:.0f} s in all" + (f"; wrote {args.json}" if args.json else ""))
-    print(fbench.table([r for r in rows if "step_s" in r]))
+    print(step_timing.table([r for r in rows if "step_s" in r]))
+    print_oom(rows)
     for r in rows:
-        if r["variant"] == "target profile":
+        if r["variant"].startswith("target profile"):
             print_target_profile(r)
-        elif "step_s" not in r:
+        elif "step_s" not in r and "error" not in r:
             print(r)
 
 

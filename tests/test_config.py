@@ -33,6 +33,11 @@ def test_yaml_and_overrides(tmp_path):
         ("optim.betas=[0.9]", "optim.betas"),
         ("drafter.target_layer_ids=[2, 2]", "must be distinct"),
         ("recipe.num_anchors=0", "recipe.num_anchors = 0"),
+        ("recipe.anchor_sampling=random", "recipe.anchor_sampling = 'random': must be uniform or stratified"),
+        ("recipe.loss_weighting=linear", "recipe.loss_weighting = 'linear': must be exp or dpace"),
+        ("recipe.dpace_alpha=0", "recipe.dpace_alpha = 0.0: must be in (0, 1]"),
+        ("recipe.loss=kl", "recipe.loss = 'kl': must be ce or lk"),
+        ("recipe.lk_eta=-1", "recipe.lk_eta = -1.0: must be >= 0"),
         ("log.trackers=wandb", "log.trackers: expected a list"),
         ("nonsense", "expected section.field=value"),
     ],
@@ -40,6 +45,13 @@ def test_yaml_and_overrides(tmp_path):
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
         load_config(None, [override])
+
+
+def test_gamma_belongs_to_the_exp_weighting():
+    cfg = load_config(None, ["recipe.loss_weighting=dpace", "recipe.loss=lk", "recipe.anchor_sampling=stratified"])
+    assert (cfg.recipe.loss_weighting, cfg.recipe.loss, cfg.recipe.anchor_sampling) == ("dpace", "lk", "stratified")
+    with pytest.raises(ConfigError, match="recipe.gamma = 7.0: is the exp weighting's decay.*set it to null"):
+        load_config(None, ["recipe.loss_weighting=dpace", "recipe.gamma=7"])
 
 
 def test_bad_file_is_named(tmp_path):

@@ -1,11 +1,10 @@
-"""Layout rules a newcomer relies on: short modules, no import cycles, nothing below the CLI imports it, no work log."""
+"""Layout rules a newcomer relies on: short modules, no import cycles, the layer order of docs/architecture.md (nothing
+below the CLI imports it), no work log."""
 
 import ast
 import re
 import subprocess
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "flashdraft"
@@ -94,11 +93,6 @@ def test_import_graph_counts_function_level_and_submodule_imports():
     assert find_cycle(graph) is not None
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="train/checkpoint.py, data/formats.py, data/sources.py, drafter/model.py and train/distributed.py are still "
-    "to be split",
-)
 def test_no_module_outside_the_kernels_is_over_400_lines():
     long = {
         str(p.relative_to(ROOT)): n
@@ -120,6 +114,76 @@ def test_nothing_outside_the_cli_imports_it():
         if not (name == "flashdraft.cli" or name.startswith("flashdraft.cli.") or name == "flashdraft.__main__")
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def documented_layers(text: str) -> list[set[str]]:
+    """The layers of the diagram under "## The layers", top first: each line's leading `name/` and `name.py` words
+    (up to its description) as flashdraft module names."""
+    block = text.split("## The layers", 1)[1].split("```", 2)[1]
+    layers = []
+    for line in block.splitlines():
+        names = []
+        for word in line.split():
+            if not re.fullmatch(r"[a-z_0-9]+(/|\.py)", word):
+                break
+            names.append("flashdraft." + word.removesuffix("/").removesuffix(".py"))
+        if names:
+            layers.append(set(names))
+    return layers
+
+
+def layer_of(module: str, layers: list[set[str]]) -> int | None:
+    """0 for the top layer, 1 below it, ...; None for a module no layer names."""
+    if module.endswith(".__main__"):  # `python -m flashdraft`: the CLI
+        return 0
+    if "." not in module:  # the root package (it imports versions only): the ground floor
+        return len(layers) - 1
+    top = ".".join(module.split(".")[:2])
+    return next((depth for depth, names in enumerate(layers) if top in names), None)
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[set[str]]) -> set[tuple[str, str]]:
+    """(importer, imported) for every import of a module in a higher layer than the importer's."""
+    return {
+        (name, target)
+        for name, targets in graph.items()
+        for target in targets
+        if layer_of(target, layers) < layer_of(name, layers)
+    }
+
+
+def test_documented_layers_are_read_as_written():
+    text = "## The layers\n\n```\ncli/        the top\ntrain/  speculative/   loop\nio/  hub.py   the floor\n```\n"
+    layers = documented_layers(text)
+    assert layers == [
+        {"flashdraft.cli"},
+        {"flashdraft.train", "flashdraft.speculative"},
+        {"flashdraft.io", "flashdraft.hub"},
+    ]
+    assert layer_of("flashdraft.train.loss.fused", layers) == 1 and layer_of("flashdraft.__main__", layers) == 0
+    assert layer_of("flashdraft", layers) == 2 and layer_of("flashdraft.other", layers) is None
+
+
+def test_upward_imports_finds_function_level_imports_up_the_layers():
+    layers = [{"p.top"}, {"p.mid"}, {"p.low"}]
+    modules = {
+        "p.top": ast.parse("from p import mid, low\n"),
+        "p.mid": ast.parse("import p.low\ndef f():\n    import p.top\n"),
+        "p.low": ast.parse("def g():\n    from p.mid import f\n"),
+    }
+    assert upward_imports(import_graph(modules), layers) == {("p.mid", "p.top"), ("p.low", "p.mid")}
+
+
+def test_every_module_imports_only_from_its_layer_or_below():
+    """The layer rule of docs/architecture.md, over every import of every module, function bodies included."""
+    layers = documented_layers(ARCHITECTURE.read_text())
+    assert len(layers) == 4 and layers[0] == {"flashdraft.cli"}
+    modules = package_modules()
+    assert [name for name in modules if layer_of(name, layers) is None] == []  # every module has a layer
+    assert upward_imports(import_graph(modules), layers) == set()
 
 
 def test_the_work_log_pattern_matches_what_it_must():

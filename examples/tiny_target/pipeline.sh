@@ -4,30 +4,43 @@
 #   STAGES="target regen" bash examples/tiny_target/pipeline.sh
 #   TARGET=bundled STAGES="corpus regen drafter eval" bash ...   # on the bundled target, as its drafter was made
 # Stages:
-#   corpus   python examples/tiny_target/corpus.py                      stdlib source -> tokens + prompts
+#   corpus   python examples/tiny_target/corpus.py                      stdlib source -> tokens + prompts (T=0 and T=1)
 #   target   python examples/tiny_target/train_target.py                the tiny hybrid Qwen3.5 target (<= 5 min)
 #   regen    flashdraft regenerate (T=0 and T=1)                         responses written by the target itself
 #   drafter  flashdraft train --config examples/tiny_target/drafter.yaml
 #   eval     flashdraft eval at T=0 and T=1, block 16, held-out prompts (with prompt lookup and autoregressive)
 #   ship     python examples/tiny_target/ship.py (not in the default STAGES: replaces the package's bundled drafter)
 # Extra arguments per stage: TARGET_ARGS, REGEN_ARGS, DRAFTER_ARGS, EVAL_ARGS.
+# Data: PROMPTS_PER_FILE (120) and T1_PROMPTS_PER_FILE (60) windows per stdlib file, disjoint, for the T=0 and T=1
+# regenerations; REGEN_TOKENS (256) new tokens each; REGEN_T0_LIMIT / REGEN_T1_LIMIT (all) prompts;
+# REGEN_SECONDS (none; REGEN_T0_SECONDS / REGEN_T1_SECONDS per temperature): stop a regeneration after that long,
+# keeping every finished row (prompts are shuffled, so what is kept is a random sample).
 set -euo pipefail
 B=${BUILD:-build/tiny_target}
 TARGET=${TARGET:-$B/target}
 STAGES=${STAGES:-corpus target regen drafter eval}
 FD=${FLASHDRAFT:-python3 -m flashdraft}
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
-t() { local s=$(date +%s); "$@"; echo "[stage time] $(( $(date +%s) - s )) s: $*"; }
+t() { local s=$(date +%s) rc=0; "$@" || rc=$?; echo "[stage time] $(( $(date +%s) - s )) s: $*"; return $rc; }
 
-stage corpus && t python3 examples/tiny_target/corpus.py --out "$B/corpus"
+stage corpus && t python3 examples/tiny_target/corpus.py --out "$B/corpus" \
+  --prompts-per-file ${PROMPTS_PER_FILE:-120} --t1-prompts-per-file ${T1_PROMPTS_PER_FILE:-60}
 stage target && [ "$TARGET" != bundled ] && t python3 examples/tiny_target/train_target.py --corpus "$B/corpus" --out "$B/target" ${TARGET_ARGS:-}
+# A regeneration cut short by REGEN_SECONDS: its finished rows stay, a half-written last line is dropped.
+keep_whole_lines() { python3 -c 'import sys; b = open(sys.argv[1], "rb").read(); open(sys.argv[1], "wb").write(b[: b.rfind(b"\n") + 1])' "$1"; }
 if stage regen; then
   for temp in 0 1; do
-    # T=1 on the first REGEN_T1_LIMIT prompts (the held-out τ that matters most is T=0's).
-    limit=""; [ $temp = 1 ] && limit="--limit ${REGEN_T1_LIMIT:-6000}"
-    t $FD regenerate --target "$TARGET" $limit \
-      --data "$B/corpus/drafter_prompts.jsonl" --out "$B/regen_t$temp.jsonl" --temperature $temp \
-      --max-new-tokens ${REGEN_TOKENS:-192} --batch-size ${REGEN_BATCH:-512} --no-progress ${REGEN_ARGS:-}
+    prompts="$B/corpus/drafter_prompts.jsonl"
+    [ $temp = 1 ] && [ -f "$B/corpus/drafter_prompts_t1.jsonl" ] && prompts="$B/corpus/drafter_prompts_t1.jsonl"
+    limit_var=REGEN_T${temp}_LIMIT; limit=""; [ -n "${!limit_var:-}" ] && limit="--limit ${!limit_var}"
+    secs_var=REGEN_T${temp}_SECONDS; secs=${!secs_var:-${REGEN_SECONDS:-}}
+    bound=""; [ -n "$secs" ] && bound="timeout --signal=INT --kill-after=20 $secs"
+    t $bound $FD regenerate --target "$TARGET" $limit \
+      --data "$prompts" --out "$B/regen_t$temp.jsonl" --temperature $temp \
+      --max-new-tokens ${REGEN_TOKENS:-256} --batch-size ${REGEN_BATCH:-512} --no-progress ${REGEN_ARGS:-} \
+      || { rc=$?; [ $rc = 124 ] || [ $rc = 137 ]; }  # 124: stopped by REGEN_SECONDS (137: killed 20 s later)
+    keep_whole_lines "$B/regen_t$temp.jsonl"
+    echo "regen T=$temp: $(wc -l < "$B/regen_t$temp.jsonl") rows in $B/regen_t$temp.jsonl"
   done
 fi
 stage drafter && t $FD train --config examples/tiny_target/drafter.yaml target.path="$TARGET" log.out="$B/drafter_run" ${DRAFTER_ARGS:-}

@@ -1,5 +1,6 @@
-"""`flashdraft bench train-step`: the arguments of the command, then flashdraft.train.bench's timing of the training
-step (which says what it measures) on the config's target and drafter, printed as a table and written as JSON."""
+"""`flashdraft bench train-step`: the arguments of the command, then flashdraft.train.step_timing's timing of the
+training step (which says what it measures) on the config's target and drafter, printed as a table and written as
+JSON."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 import json
 
 from flashdraft.cli.exit_codes import EXIT_OK
-from flashdraft.train.bench import bench_setup, load_bench_target, machine, run_train_step, table
+from flashdraft.train.step_timing import bench_setup, load_bench_target, machine, run_train_step, table
 
 
 def add_parser(sub) -> None:

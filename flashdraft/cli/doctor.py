@@ -1,4 +1,4 @@
-"""CLI glue for `flashdraft doctor` (the checks live in flashdraft.fastpath.doctor)."""
+"""CLI glue for `flashdraft doctor` (the checks live in flashdraft.fastpath.doctor); `--model` picks what it probes."""
 
 from __future__ import annotations
 
@@ -20,4 +20,23 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from flashdraft.fastpath.doctor import main
 
-    return main(args.json, args.model, args.probe_layers, args.build_log)
+    return main(args.json, probe_model(args.model, args.probe_layers), args.build_log)
+
+
+def probe_model(spec: str | None, probe_layers: int):
+    """`--model` as the builder `(device, dtype) -> model` doctor probes: a tiny family (by default tiny qwen3_5), or
+    the first `probe_layers` layers of a config.json or model directory; random weights either way. An unknown
+    `spec` is refused here, before any check runs."""
+    import functools
+    import os
+
+    from flashdraft.fastpath.doctor import build_probe_model
+    from flashdraft.target.tiny import ALL_FAMILIES, build_tiny_target
+
+    if spec is None or spec in ALL_FAMILIES:
+        return lambda device, dtype: build_tiny_target(spec or "qwen3_5", dtype=dtype, device=device)
+    if not os.path.exists(spec):
+        raise FileNotFoundError(
+            f"--model {spec!r}: not a tiny family ({', '.join(ALL_FAMILIES)}), config.json or model directory"
+        )
+    return functools.partial(build_probe_model, spec, probe_layers)

@@ -52,6 +52,12 @@ class TargetConfig:
     """Training: torch.compile the torch code between the target's fast kernels (its RMSNorms and dense MLPs). On the
     H200 it took a 27B Qwen3.5's forward from 3.25 to 2.98 s at 32K tokens (bench/RESULTS.md). true | false | auto
     (on CUDA unless target.shard). The first batch of each of the first two lengths compiles (seconds)."""
+    precision: str = "bf16"
+    """Training: bf16 | fp8. fp8 runs the target's linear layers (attention, Gated DeltaNet and MLP projections) as
+    FP8 GEMMs with a scale per token and per output channel: weights quantized once at load (half the memory),
+    activations per step. The embedding, LM head, norms and gate projections stay bf16; the per-layer probe proves
+    the FP8 linears. Needs an FP8 GPU (compute capability 8.9+: Ada, Hopper) and a bf16 target; the features move
+    by a few percent (docs/training.md, "FP8 target"). The measured τ always decodes with the bf16 target."""
     shard: bool = False
     """Under torchrun: shard the target's decoder layers over the ranks with FSDP2 (each GPU holds 1/N of them and
     gathers one layer at a time) instead of a whole copy per GPU; for targets that do not fit one GPU. The target
@@ -110,8 +116,24 @@ class RecipeConfig:
     num_anchors: int = 512
     """Anchor positions (blocks) sampled per sequence and epoch (paper: 512). At most: a sequence with fewer response
     positions uses all of them, so a value above data.max_length only warns (it is clamped, not an error)."""
+    anchor_sampling: str = "uniform"
+    """How anchors are drawn among a sequence's candidate positions: uniform (distinct positions uniformly at random,
+    the paper's) | stratified (the candidates cut into num_anchors equal runs, one position drawn in each: the
+    blocks spread over the whole response)."""
     gamma: float | None = None
-    """Loss decay over block positions, w_k = exp(-(k-1)/gamma); default by block size (16: 7, 10: 5, 8: 4)."""
+    """Loss decay over block positions, w_k = exp(-(k-1)/gamma), for loss_weighting exp; default by block size
+    (16: 7, 10: 5, 8: 4)."""
+    loss_weighting: str = "exp"
+    """Weights of the block positions: exp (w_k = exp(-(k-1)/gamma), the paper's; loss = Σ w·ℓ / Σ w) | dpace
+    (D-PACE: each position weighs what its acceptance adds to the expected accepted length, from the drafter's
+    current confidences, w_j = Σ_{m>=j} Π_{i<=m} ((1-dpace_alpha)·q_i + dpace_alpha); loss = Σ w·ℓ / blocks)."""
+    dpace_alpha: float = 0.5
+    """D-PACE's smoothing of the confidences, in (0, 1]: the floor of each factor; 1 ignores the confidences."""
+    loss: str = "ce"
+    """Token loss ℓ: ce (cross-entropy of the label) | lk (LK^λ with the label as a one-hot target:
+    λ·CE + (1-λ)·(1-q), λ = exp(-lk_eta·q) held constant, q the drafter's probability of the label)."""
+    lk_eta: float = 3.0
+    """η of the lk loss (>= 0; 0 is cross-entropy): how fast λ moves the weight from CE to 1 - q as q grows."""
 
 
 @dataclass(kw_only=True)
@@ -229,6 +251,20 @@ class RunConfig:
             ("data.eval_max_new_tokens", self.data.eval_max_new_tokens >= 1, "must be >= 1"),
             ("recipe.num_anchors", self.recipe.num_anchors >= 1, "must be >= 1"),
             ("recipe.gamma", self.recipe.gamma is None or self.recipe.gamma > 0, "must be > 0"),
+            (
+                "recipe.anchor_sampling",
+                self.recipe.anchor_sampling in ("uniform", "stratified"),
+                "must be uniform or stratified",
+            ),
+            ("recipe.loss_weighting", self.recipe.loss_weighting in ("exp", "dpace"), "must be exp or dpace"),
+            ("recipe.dpace_alpha", 0 < self.recipe.dpace_alpha <= 1, "must be in (0, 1] (0.5 is D-PACE's default)"),
+            (
+                "recipe.gamma",
+                self.recipe.gamma is None or self.recipe.loss_weighting == "exp",
+                "is the exp weighting's decay, unused with recipe.loss_weighting = dpace: set it to null",
+            ),
+            ("recipe.loss", self.recipe.loss in ("ce", "lk"), "must be ce or lk"),
+            ("recipe.lk_eta", self.recipe.lk_eta >= 0, "must be >= 0 (0 is cross-entropy; 3 is the LK paper's)"),
             ("optim.lr", self.optim.lr > 0, "must be > 0"),
             ("optim.warmup_ratio", 0 <= self.optim.warmup_ratio < 1, "must be in [0, 1)"),
             ("optim.grad_clip", self.optim.grad_clip > 0, "must be > 0"),
@@ -248,6 +284,18 @@ class RunConfig:
             ("train.compile", is_switch(self.train.compile), "must be auto, true or false"),
             ("train.peak_tflops", self.train.peak_tflops is None or self.train.peak_tflops > 0, "must be > 0 or null"),
             ("target.compile", is_switch(self.target.compile), "must be auto, true or false"),
+            ("target.precision", self.target.precision in ("bf16", "fp8"), "must be bf16 or fp8"),
+            (
+                "target.precision",
+                not (self.target.precision == "fp8" and self.target.shard),
+                "fp8 cannot be combined with target.shard (FSDP2 shards the bf16 weights; an FP8 target is half "
+                "the size: try it unsharded)",
+            ),
+            (
+                "target.precision",
+                not (self.target.precision == "fp8" and self.target.dtype in ("float16", "float32")),
+                f"fp8 needs a bfloat16 target (the FP8 GEMM writes bf16), not target.dtype = {self.target.dtype}",
+            ),
             (
                 "target.dtype",
                 self.target.dtype in ("auto", "bfloat16", "float16", "float32"),

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from flashdraft import ranks
 from flashdraft.data.errors import DataError
 from flashdraft.io import lock
 from flashdraft.io.atomic import atomic_write_bytes
@@ -54,7 +55,7 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "
 
 
 def _fs(url: str, s3=None):
-    from flashdraft.data.sources import open_fs
+    from flashdraft.data.remote import open_fs
 
     return open_fs(url, s3=s3)
 
@@ -106,16 +107,14 @@ def write_features(
 
 
 def _write_features(target, data, out: str, s3, sharded: bool, target_path: str | None) -> FeaturesResult:
-    from flashdraft.train import distributed
-
-    here = distributed.world()
+    here = ranks.world()
     fs, root = _fs(out, s3)
     if here.is_main:
         fs.makedirs(root, exist_ok=True)
         # The old index goes first: until the new one is written, the directory is not a features directory.
         if fs.exists(f"{root}/{INDEX}"):
             fs.rm_file(f"{root}/{INDEX}")
-    distributed.barrier()
+    ranks.barrier()
     width = len(target.target_layer_ids) * target.hidden_size
     needed = (data.num_tokens * width + 2 * target.lm_head_weight.numel()) * target.dtype.itemsize
     with room_for(
@@ -129,8 +128,6 @@ def _write_features(target, data, out: str, s3, sharded: bool, target_path: str 
 
 def _capture(target, data, out: str, fs, root: str, here, sharded: bool, target_path: str | None) -> FeaturesResult:
     from safetensors.torch import save
-
-    from flashdraft.train import distributed
 
     device = target.device
     files: dict[str, list[int]] = {}
@@ -196,7 +193,7 @@ def _capture(target, data, out: str, fs, root: str, here, sharded: bool, target_
             "samples": [samples[i] for i in range(len(data))],
         }
         _put(fs, f"{root}/{INDEX}", json.dumps(index).encode())
-    distributed.barrier()
+    ranks.barrier()
     return FeaturesResult(out, len(samples), len({n for part in everyone for n in part}), total_bytes)
 
 
@@ -272,7 +269,7 @@ class FeatureStore:
 
     def _read(self, name: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a file, read again when an object store cuts the transfer off."""
-        from flashdraft.data.sources import read_again_if_cut_off
+        from flashdraft.data.remote import read_again_if_cut_off
 
         path = f"{self.root}/{name}"
         return read_again_if_cut_off(lambda: self.fs.cat_file(path, start=start, end=end), self.attempts, path)

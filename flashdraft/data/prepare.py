@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.config import S3Config
+from flashdraft.data.encoder import Encoder, Sample
 from flashdraft.data.errors import DataError, DataReport, redact
-from flashdraft.data.formats import Encoder, FormatConfig, Sample
+from flashdraft.data.formats import FormatConfig
 from flashdraft.data.shards import FORMAT_VERSION, ShardWriter, read_meta
 from flashdraft.data.sources import SourceFile, iter_records, resolve_sources
 from flashdraft.io import lock

@@ -118,7 +118,7 @@ def _generate(model, tokenizer, texts: list[str], temperature: float, max_new_to
 
 def _sdpa_without_cudnn(device: torch.device):
     """SDPA minus the cuDNN backend on a GPU: cuDNN plans every new key length (each decode step's is new) and that
-    host-side planning cost ~4.7 ms per call on an H200 (issue 10's measurement), more than the tiny target's step."""
+    host-side planning cost ~4.7 ms per call on an H200, more than the tiny target's step."""
     if torch.device(device).type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

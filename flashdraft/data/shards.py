@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from flashdraft.data.encoder import Sample
 from flashdraft.data.errors import DataError
-from flashdraft.data.formats import Sample
 from flashdraft.io.atomic import fsync_dir, fsync_file, replace_directory, temporary_directory_beside
 
 FORMAT_VERSION = 1

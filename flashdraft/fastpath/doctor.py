@@ -1,8 +1,8 @@
 """`flashdraft doctor`: is every fast path of a hybrid target active here, and if not, what to do.
 
-Each check has a status (ok / warn / fail / info), a one-line detail and a one-line fix. With a model (a tiny
-hybrid by default) the per-layer probe table is part of the verdict. Exit code 0 only when the fast path is
-complete; on a machine without a CUDA device it cannot be, and doctor says so.
+Each check has a status (ok / warn / fail / info), a one-line detail and a one-line fix. The per-layer probe table
+of a model (the caller builds it: `flashdraft doctor --model`, a tiny hybrid by default) is part of the verdict.
+Exit code 0 only when the fast path is complete; on a machine without a CUDA device it cannot be, and doctor says so.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+from torch import nn
 
 from flashdraft import versions
 
@@ -257,23 +259,16 @@ def check_transformers() -> Check:
     return Check("transformers", status, f"transformers {version} — {gen}", fix)
 
 
-def build_probe_model(spec: str | None, probe_layers: int = 4):
-    """A model to probe: a tiny family name, a config.json, or a model directory (random weights, first layers)."""
+def build_probe_model(path: str, probe_layers: int, device: str, dtype: torch.dtype):
+    """The first `probe_layers` layers of the model a config.json or model directory describes, random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from flashdraft.target.tiny import ALL_FAMILIES, build_tiny_target
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if spec is None or spec in ALL_FAMILIES:
-        return build_tiny_target(spec or "qwen3_5", dtype=dtype, device=device)
-    path = spec
     if os.path.isfile(path):
         config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)) or ".")
     elif os.path.isdir(path):
         config = AutoConfig.from_pretrained(path)
     else:
-        raise FileNotFoundError(f"--model {spec!r}: not a tiny family ({', '.join(ALL_FAMILIES)}), file or directory")
+        raise FileNotFoundError(f"{path!r}: not a config.json or model directory")
     config = config.get_text_config()
     n = min(probe_layers, config.num_hidden_layers)
     config.num_hidden_layers = n
@@ -284,16 +279,11 @@ def build_probe_model(spec: str | None, probe_layers: int = 4):
     return model.eval()
 
 
-def run_doctor(model_spec: str | None = None, probe_layers: int = 4, progress=None) -> dict:
-    """All checks, then the per-layer probe. progress(line): told before and after each step (slow ones compile
+def run_doctor(build_model: Callable[[str, torch.dtype], nn.Module], progress=None) -> dict:
+    """All checks, then the per-layer probe of `build_model(device, dtype)` (bf16 on the GPU when there is one, else
+    float32 on the CPU), then its linears as FP8. progress(line): told before and after each step (slow ones compile
     Triton kernels on a first GPU run), so that a long first run is never silent."""
-    from flashdraft import fastpath
-
     progress = progress or (lambda line: None)
-    if model_spec is not None and model_spec not in _tiny_families() and not os.path.exists(model_spec):
-        raise FileNotFoundError(
-            f"--model {model_spec!r}: not a tiny family ({', '.join(_tiny_families())}), config.json or model directory"
-        )
     steps = [
         ("gpu", check_gpu),
         ("torch", check_torch),
@@ -303,48 +293,59 @@ def run_doctor(model_spec: str | None = None, probe_layers: int = 4, progress=No
         ("causal-conv1d", check_causal_conv1d),
         ("transformers", check_transformers),
     ]
-    checks: list[Check] = []
-    for label, fn in steps:
-        progress(f"{label} ...")
-        start = time.perf_counter()
-        check = fn()
-        seconds = time.perf_counter() - start
-        check.seconds = round(seconds, 2)
-        checks.append(check)
-        progress(f"{label}: {seconds:.1f} s")
-    layers: list[dict] = []
-    report = None
-    progress(
-        "probe: building the model and running a prefill and a decode step per layer (a first run on a GPU "
-        "compiles and autotunes fla's Triton kernels: about a minute; cached afterwards) ..."
-    )
-    start = time.perf_counter()
-    try:
-        model = build_probe_model(model_spec, probe_layers)
-        report = fastpath.enable(model, strict=False)
-        layers = report.to_dict()["layers"]
-        # On a CPU machine every layer falls back by design ("no CUDA device"): reported, not a failure.
-        status = OK if report.ok else (INFO if cpu_machine() else FAIL)
-        checks.append(Check("probe", status, report.summary(), "" if status != FAIL else _probe_fix(report)))
-    except Exception as exc:
-        checks.append(
-            Check(
-                "probe",
-                FAIL,
-                f"could not build or probe the model: {type(exc).__name__}: {exc}",
-                "pass --model with a config.json or model directory of a supported family",
-            )
-        )
-    checks[-1].seconds = round(time.perf_counter() - start, 2)
-    progress(f"probe: {checks[-1].seconds:.1f} s")
+    checks = [_timed(progress, label, fn) for label, fn in steps]
+    probed: dict = {}
+    announce = "probe: a prefill and a decode step, per layer (a first GPU run autotunes fla's kernels: ~1 min)"
+    checks.append(_timed(progress, "probe", lambda: _probe(build_model, probed), announce))
+    if probed.get("report") is not None:
+        checks.append(_timed(progress, "fp8 linears", lambda: check_fp8(probed["model"])))
     ok = all(c.status != FAIL for c in checks)
-    return {"ok": ok, "checks": [asdict(c) for c in checks], "layers": layers, "_report": report}
+    layers = probed["report"].to_dict()["layers"] if probed.get("report") is not None else []
+    return {"ok": ok, "checks": [asdict(c) for c in checks], "layers": layers, "_report": probed.get("report")}
 
 
-def _tiny_families():
-    from flashdraft.target.tiny import ALL_FAMILIES
+def _timed(progress, label: str, fn, announce: str | None = None) -> Check:
+    progress(f"{announce or label} ...")
+    start = time.perf_counter()
+    check = fn()
+    check.seconds = round(time.perf_counter() - start, 2)
+    progress(f"{label}: {check.seconds:.1f} s")
+    return check
 
-    return ALL_FAMILIES
+
+def _probe(build_model, probed: dict) -> Check:
+    """The per-layer probe; the model and its report go into `probed`."""
+    from flashdraft import fastpath
+
+    try:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        probed["model"] = build_model(device, torch.bfloat16 if device == "cuda" else torch.float32)
+        report = probed["report"] = fastpath.enable(probed["model"], strict=False)
+    except Exception as exc:
+        return Check(
+            "probe",
+            FAIL,
+            f"could not build or probe the model: {type(exc).__name__}: {exc}",
+            "pass --model with a config.json or model directory of a supported family",
+        )
+    # On a CPU machine every layer falls back by design ("no CUDA device"): reported, not a failure.
+    status = OK if report.ok else (INFO if cpu_machine() else FAIL)
+    return Check("probe", status, report.summary(), "" if status != FAIL else _probe_fix(report))
+
+
+def check_fp8(model) -> Check:
+    """`target.precision: fp8` on this machine: the probe model's linears converted to FP8 and probed again."""
+    from flashdraft import fastpath
+    from flashdraft.fastpath import fp8
+
+    reason = fp8.unsupported_reason(next(model.parameters()).device)
+    if reason is not None:
+        return Check("fp8 linears", INFO, f"target.precision=fp8 unavailable: {reason}")
+    fp8.convert_linears(model)
+    use = fastpath.probe(model).fp8
+    if use is None:
+        return Check("fp8 linears", INFO, "the probe model has no linear that FP8 converts")
+    return Check("fp8 linears", OK if use.ok else FAIL, use.summary(), "" if use.ok else "use target.precision=bf16")
 
 
 def _probe_fix(report) -> str:
@@ -361,8 +362,9 @@ def _progress_to_stderr(line: str) -> None:
     print(f"[doctor] {line}", file=sys.stderr, flush=True)
 
 
-def main(argv_json: bool, model_spec: str | None, probe_layers: int = 4, build_log: str | None = None) -> int:
-    result = run_doctor(model_spec, probe_layers, progress=_progress_to_stderr)
+def main(argv_json: bool, build_model: Callable[[str, torch.dtype], nn.Module], build_log: str | None = None) -> int:
+    """The report of `run_doctor(build_model)`, as JSON or tables; the exit code (0: fast path complete)."""
+    result = run_doctor(build_model, progress=_progress_to_stderr)
     report = result.pop("_report")
     if build_log:
         with open(build_log, errors="replace") as fh:
@@ -394,7 +396,3 @@ def main(argv_json: bool, model_spec: str | None, probe_layers: int = 4, build_l
         verdict = "[green]fast path complete[/]" if result["ok"] else "[red]fast path incomplete[/] (exit 1)"
     console.print(verdict)
     return 0 if result["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main("--json" in sys.argv, None))

@@ -1,8 +1,10 @@
-"""Per-layer proof of which implementation each Gated DeltaNet call really used.
+"""Per-layer proof of which implementation each Gated DeltaNet call really used, and of the FP8 linears.
 
 The probe runs a short prefill and one cached decode step through the model and records, for every
 linear-attention layer, the implementation behind each of its four calls — whatever put it there
-(flashdraft's patch, transformers' import-time choice, or nothing).
+(flashdraft's patch, transformers' import-time choice, or nothing). Every FP8 linear of the model
+(`target.precision: fp8`, fastpath/fp8.py) is checked in the same run: it must have been called, and its output
+must equal the float32 product of its quantized input and weight up to the output's rounding.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from flashdraft.fastpath import record
+from flashdraft.fastpath import fp8, record
 from flashdraft.fastpath.backends import DAO_CUDA, FLA, FLASHDRAFT_TRITON, GATED_NORM, OPS, TORCH, hub_wrapped
 from flashdraft.fastpath.patch import GLOBALS, INSTANCE, entry_points, generation_of, linear_attention_layers
 from flashdraft.versions import cache_kwargs, returned_cache
@@ -51,10 +53,13 @@ class FastPathReport:
     attention: str
     layers: list[LayerUse] = field(default_factory=list)
     error: str = ""
+    fp8: fp8.FP8Use | None = None
+    """The FP8 linears, when the model has any (`target.precision: fp8`)."""
 
     @property
     def ok(self) -> bool:
-        return not self.error and all(layer.fast for layer in self.layers)
+        fp8_ok = self.fp8 is None or self.fp8.ok
+        return not self.error and all(layer.fast for layer in self.layers) and fp8_ok
 
     def fallbacks(self) -> dict[str, list[int]]:
         """reason -> layers whose calls fell back for it."""
@@ -74,18 +79,24 @@ class FastPathReport:
             lines.append(f"probe error: {self.error}")
         for reason, layers in self.fallbacks().items():
             lines.append(f"  {'layers' if len(layers) > 1 else 'layer'} {_ranges(layers)}: {reason}")
+        if self.fp8 is not None and not self.fp8.ok:
+            lines.append(f"  {self.fp8.summary()}")
         return "\n".join(lines)
 
     def summary(self) -> str:
-        """One line: how many layers fell back and the distinct reasons."""
+        """One line: how many layers fell back and the distinct reasons (and the FP8 linears, if any)."""
+        fp8_text = f"; {self.fp8.summary()}" if self.fp8 is not None else ""
         if self.ok:
-            return f"all {len(self.layers)} linear-attention layers ran fast kernels"
+            if not self.layers and self.fp8 is not None:
+                return self.fp8.summary()
+            return f"all {len(self.layers)} linear-attention layers ran fast kernels" + fp8_text
         reasons = sorted(
             {use.reason or use.impl for layer in self.layers for use in layer.ops.values() if not use.fast}
         )
         text = f"{len(self.slow_layers())} of {len(self.layers)} linear-attention layers fell back: " + "; ".join(
             reasons
         )
+        text += fp8_text
         return f"probe error: {self.error}; " + text if self.error else text
 
     def slow_layers(self) -> list[int]:
@@ -94,6 +105,8 @@ class FastPathReport:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["ok"] = self.ok
+        if self.fp8 is not None:
+            d["fp8"]["ok"] = self.fp8.ok
         d["layers"] = [
             {
                 "index": layer.index,
@@ -124,6 +137,8 @@ class FastPathReport:
         console = Console(width=140, record=True, file=_NullIO(), force_terminal=False)
         console.print(self.table())
         summary = "all fast" if self.ok else self.failure_message()
+        if self.fp8 is not None:
+            summary += f"\n{self.fp8.summary()}"
         return console.export_text() + f"attention: {self.attention}; lookup: {self.generation}\n{summary}\n"
 
 
@@ -215,9 +230,11 @@ def probe(model: torch.nn.Module, num_tokens: int = 8) -> FastPathReport:
         attention=str(getattr(config, "_attn_implementation", "?")),
     )
     layers = linear_attention_layers(model)
-    if not layers:
+    linears = fp8.fp8_linears(model)
+    if not layers and not linears:
         return report
-    report.generation = generation_of(layers[0][1])
+    report.generation = generation_of(layers[0][1]) if layers else None
+    fp8_errors: dict[str, float] = {}
 
     restore: list[tuple[object, str, object]] = []
     static: dict[int, dict[str, OpUse]] = {}
@@ -245,8 +262,12 @@ def probe(model: torch.nn.Module, num_tokens: int = 8) -> FastPathReport:
         for idx, layer in layers:
             hooks.append(layer.register_forward_pre_hook(functools.partial(_enter, log, idx)))
             hooks.append(layer.register_forward_hook(functools.partial(_leave, log)))
+        for name, linear in linears:
+            hooks.append(linear.register_forward_hook(functools.partial(fp8.check_output, fp8_errors, name)))
         try:
-            _run(model, param.device, num_tokens)
+            # Eager, even where the target's glue is compiled: the hooks read values on the host.
+            with torch.compiler.set_stance("force_eager"):
+                _run(model, param.device, num_tokens)
         except Exception as exc:  # report, do not hide: a fast kernel that crashes is not a fast path
             report.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             if log.last is not None:  # blame the call that was running
@@ -261,6 +282,8 @@ def probe(model: torch.nn.Module, num_tokens: int = 8) -> FastPathReport:
                 else:
                     setattr(owner, name, fn)
 
+    if linears:
+        report.fp8 = fp8.FP8Use.from_errors(linears, fp8_errors)
     for idx, _ in layers:
         seen = log.calls.get(idx, {})
         ops = {}

@@ -9,6 +9,7 @@ Training needs the target only up to its last captured layer (`flops.step_flops`
 truncated after `max(target_layer_ids)` (at load time, so the dropped layers are never read from disk), the final
 norm is replaced by an identity and the LM head is never called — only its weight is kept, for the drafter's loss.
 Features are captured by forward hooks on the decoder layers, written straight into one preallocated buffer.
+`target.precision: fp8` runs the kept layers' linears as FP8 GEMMs (flashdraft/fastpath/fp8.py), proven by the probe.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import torch
 from torch import nn
 
 from flashdraft import fastpath
-from flashdraft.config import resolve_switch
+from flashdraft.config import ConfigError, resolve_switch
 from flashdraft.drafter.config import target_text_config
+from flashdraft.fastpath import fp8
 from flashdraft.fastpath.probe import FastPathReport
 
 logger = logging.getLogger(__name__)
@@ -52,9 +54,11 @@ class FrozenTarget:
         fastpath_report: what `fastpath.enable` proved for each linear-attention layer (empty for plain targets).
         cudnn_attention: `capture` on a GPU tries SDPA's cuDNN backend first (`target.cudnn_attention`).
         glue_compiled: whether the torch code between the fast kernels runs compiled (`compile_glue`).
+        precision: "bf16", or "fp8" once `set_precision` has converted the kept layers' linears.
     """
 
     cudnn_attention: bool = False
+    precision: str = "bf16"
 
     def __init__(
         self,
@@ -84,6 +88,8 @@ class FrozenTarget:
         param = next(model.parameters())
         if strict is None:
             strict = param.device.type == "cuda"
+        self.strict = strict
+        self.precision = "fp8" if fp8.fp8_linears(self.decoder) else "bf16"
         self.fastpath_report: FastPathReport = fastpath.enable(model, strict=strict)
         if self.fastpath_report.layers:
             # On a CPU the torch fallback is expected (and correct); on a GPU a fallback costs ~2x target time.
@@ -132,11 +138,17 @@ class FrozenTarget:
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states of `target_layer_ids` → (B, T, n * D), concatenated in that order.
 
-        Layer i's slice equals `output_hidden_states[i + 1]` of the full model. `attention_mask` (B, T), 1 = token,
-        marks right padding. Under no_grad (not inference_mode: the features are saved for the drafter's backward).
+        Layer i's slice equals `output_hidden_states[i + 1]` of the full model at every token. `attention_mask`
+        (B, T), 1 = token, marks right padding; the features at padding positions are left undefined. Under no_grad
+        (not inference_mode: the features are saved for the drafter's backward).
+
+        The decoder runs without the mask: its layers are causal, so a token never reads the padding after it, and
+        a padding mask would make transformers build a dense (B, 1, T, T) attention mask (17 GB at 131072 tokens)
+        and leave the flash kernels for masked ones.
         """
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+        _check_right_padding(attention_mask, input_ids.shape)
         batch, length = input_ids.shape
         width = self.hidden_size
         # One buffer, each layer's output copied once into its slice as soon as it exists: holding n layer outputs
@@ -161,7 +173,7 @@ class FrozenTarget:
         handles = [layers[i].register_forward_hook(_bind(write, i)) for i in slots]
         try:
             with self._sdpa_priority():
-                self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                self.decoder(input_ids=input_ids, use_cache=False)
         finally:
             for handle in handles:
                 handle.remove()
@@ -170,11 +182,33 @@ class FrozenTarget:
         return features
 
     def configure(self, options) -> None:
-        """Apply the `target.*` switches that change how the target runs, not what it is (`options`: the config's
-        target section): cuDNN attention first, compiled glue. Each is set or unset, so one target can serve
-        several configurations in turn (the benchmarks' variants)."""
+        """Apply the `target.*` switches that change how the target runs (`options`: the config's target section):
+        its precision, cuDNN attention first, compiled glue. The last two are set or unset, so one target can serve
+        several configurations in turn (the benchmarks' variants); bf16 -> fp8 is one-way (see `set_precision`)."""
+        self.set_precision(options.precision)
         self.cudnn_attention = options.cudnn_attention
         self.compile_glue(glue_compile_enabled(options, self.device))
+
+    def set_precision(self, precision: str) -> None:
+        """`target.precision`: "fp8" converts the kept layers' linears to FP8 GEMMs in place (fastpath/fp8.py) and
+        probes the target again, so that the FP8 linears are proven beside the linear-attention kernels (strict:
+        a FastPathError when one is not). One-way: the bf16 weights are freed as they are converted."""
+        if precision == self.precision:
+            return
+        if precision != "fp8":
+            raise ValueError(
+                f"target.precision = {precision}: this target's linears are {self.precision} already (converted in "
+                "place; load the target again for bf16)"
+                if precision == "bf16"
+                else f"target.precision = {precision!r}: must be bf16 or fp8"
+            )
+        check_fp8(self.device, self.dtype)
+        converted = fp8.convert_linears(self.decoder.layers)
+        self.precision = "fp8"
+        self.fastpath_report = fastpath.probe(self.model)
+        if self.strict and not self.fastpath_report.ok:
+            raise fastpath.FastPathError(self.fastpath_report)
+        logger.info("target: %d linears in FP8; %s", len(converted), self.fastpath_report.summary())
 
     @property
     def glue_compiled(self) -> bool:
@@ -204,12 +238,15 @@ class FrozenTarget:
         return len(modules) if enabled else 0
 
     def _glue_modules(self) -> list[nn.Module]:
+        """Plain RMSNorms, dense MLPs, and the FP8 linears outside them (their per-row quantization is elementwise
+        work that compiles into one pass; inside a compiled MLP it is compiled with it)."""
         found = []
         for layer in self.decoder.layers:
+            dense = [name for name, module in layer.named_modules() if _is_dense_mlp(name, module)]
             for name, module in layer.named_modules():
                 plain_norm = type(module).__name__.endswith("RMSNorm") and not list(module.children())
-                dense_mlp = name == "mlp" and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj"))
-                if plain_norm or dense_mlp:
+                lone_fp8 = isinstance(module, fp8.FP8Linear) and not any(name.startswith(f"{d}.") for d in dense)
+                if plain_norm or name in dense or lone_fp8:
                     found.append(module)
         return found
 
@@ -225,6 +262,39 @@ class FrozenTarget:
             SDPBackend.MATH,
         ]
         return sdpa_kernel(order, set_priority=True)
+
+
+def check_fp8(device: torch.device, dtype: torch.dtype) -> None:
+    """A ConfigError naming `target.precision` when a target on `device` in `dtype` cannot run FP8 linears."""
+    reason = fp8.unsupported_reason(device)
+    if reason is not None:
+        raise ConfigError(f"target.precision = fp8: {reason}; use target.precision=bf16", field="target.precision")
+    if dtype != torch.bfloat16:
+        raise ConfigError(
+            f"target.precision = fp8 needs a bfloat16 target (the FP8 GEMM writes bf16), this one is "
+            f"{str(dtype).replace('torch.', '')}: set target.dtype=bfloat16 (or auto)",
+            field="target.precision",
+        )
+
+
+def _check_right_padding(mask: torch.Tensor | None, shape: torch.Size) -> None:
+    """`capture` runs the decoder without its mask, which is exact only for right padding: check that it is."""
+    if mask is None:
+        return
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(shape)}, got {tuple(mask.shape)}")
+    padded_inside = (mask[:, 1:] > mask[:, :-1]).any()
+    message = "attention_mask: only right padding is supported (a 1 after a 0 in a row)"
+    if mask.device.type == "cpu":
+        if bool(padded_inside):
+            raise ValueError(message)
+    else:
+        # Checked on the device: a host sync here would stall the GPU between a step's micro-batches.
+        torch._assert_async(~padded_inside, message)
+
+
+def _is_dense_mlp(name: str, module: nn.Module) -> bool:
+    return name == "mlp" and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj"))
 
 
 def _is_compiled(module: nn.Module) -> bool:

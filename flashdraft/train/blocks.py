@@ -68,18 +68,34 @@ def anchor_candidates(loss_mask: torch.Tensor, block_size: int) -> torch.Tensor:
     return p[response[1 : last + 1] & response[2 : last + 2]]
 
 
-def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, block_size: int, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """Up to `num_anchors` distinct anchor positions drawn uniformly from `anchor_candidates`, sorted → (A,).
+ANCHOR_SAMPLING = ("uniform", "stratified")
 
-    Fewer when there are fewer candidates (all of them are then taken); zero is possible (a short or prompt-only
-    sequence). `generator` is a CPU generator, e.g. `anchor_generator(seed, epoch, sample_index)`.
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    block_size: int,
+    generator: torch.Generator | None = None,
+    how: str = "uniform",
+) -> torch.Tensor:
+    """Up to `num_anchors` distinct anchor positions among `anchor_candidates`, sorted → (A,).
+
+    how: "uniform" draws them uniformly at random; "stratified" cuts the (ascending) candidates into `num_anchors`
+    runs of equal length (±1) and draws one uniformly in each, so the blocks cover the whole response. Fewer when
+    there are fewer candidates (all of them are then taken); zero is possible (a short or prompt-only sequence).
+    `generator` is a CPU generator, e.g. `anchor_generator(seed, epoch, sample_index)`.
     """
+    if how not in ANCHOR_SAMPLING:
+        raise ValueError(f"anchor sampling {how!r}: must be one of {', '.join(ANCHOR_SAMPLING)}")
     candidates = anchor_candidates(loss_mask, block_size)
-    if candidates.numel() <= num_anchors:
+    count = candidates.numel()
+    if count <= num_anchors:
         return candidates
-    pick = torch.randperm(candidates.numel(), generator=generator)[:num_anchors].to(candidates.device)
+    if how == "stratified":
+        bounds = torch.arange(num_anchors + 1) * count // num_anchors  # run a: [bounds[a], bounds[a + 1])
+        offsets = (torch.rand(num_anchors, generator=generator, dtype=torch.float64) * bounds.diff()).long()
+        return candidates[(bounds[:-1] + offsets).to(candidates.device)]
+    pick = torch.randperm(count, generator=generator)[:num_anchors].to(candidates.device)
     return candidates[pick].sort().values
 
 
@@ -194,6 +210,7 @@ def build_blocks(
 
 
 __all__ = [
+    "ANCHOR_SAMPLING",
     "IGNORE_INDEX",
     "PAD_ANCHOR",
     "DraftBatch",

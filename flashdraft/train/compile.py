@@ -1,13 +1,32 @@
 """Whether and how the drafter's layers are compiled in a training step (`train.compile`, `train.static_shapes`).
 
 compile_drafter(drafter, cfg.train, device)   # torch.compile each decoder layer in place, as the config asks
+decided = resolve_auto_compile(cfg, device, run_flops, peak_flops)   # a run's `auto`s: compile only if it pays back
+
+The rule of `auto` on a GPU: compiling (the drafter's layers, FlexAttention, the target's glue) costs up to about a
+minute on a fresh machine and makes a step 10-30% faster (bench/RESULTS.md). It pays back when 10% of the run's
+compute time reaches that minute. The compute time is the run's cost-model FLOPs (`flops.step_flops`, every step at
+full length and every anchor) at the GPU's peak — a lower bound of the real time — so `auto` compiles for runs of at
+least 10 minutes of peak-rate compute: a 27B target from a few hundred steps on, never the bundled tiny target.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from flashdraft.config import resolve_switch
+
+logger = logging.getLogger(__name__)
+
+COMPILE_SECONDS = 60.0
+"""What compiling costs a run on a fresh machine, about (less with warm Inductor and Triton caches)."""
+COMPILE_GAIN = 0.1
+"""The least share of a step's time compiling saves where it is used (bench/RESULTS.md: 7% of the target's forward,
+more of the drafter's step)."""
+NOMINAL_PEAK_FLOPS = 400e12
+"""FLOP/s assumed for a GPU missing from flashdraft's table (flops.GPUS)."""
 
 
 def compile_enabled(setting: bool | str, device: torch.device) -> bool:
@@ -41,4 +60,46 @@ def compile_drafter(drafter, train, device: torch.device) -> bool:
     return compile_layers(drafter, train.compile, device, dynamic=False if static else None)
 
 
-__all__ = ["compile_drafter", "compile_enabled", "compile_layers", "static_shapes"]
+def compile_pays_back(run_flops: float, peak_flops: float | None) -> tuple[bool, float]:
+    """(whether compiling pays back within a run of `run_flops`, the run's seconds at `peak_flops`): see the
+    module docstring."""
+    seconds = run_flops / (peak_flops or NOMINAL_PEAK_FLOPS)
+    return seconds * COMPILE_GAIN >= COMPILE_SECONDS, seconds
+
+
+def resolve_auto_compile(cfg, device: torch.device, run_flops: float, peak_flops: float | None) -> dict:
+    """Set the `auto` compile switches of `cfg` for this run on `device` (in place) and return those it set.
+
+    On CUDA: `train.compile`, `target.compile` and `train.attention` become compiled / compiled / flex where
+    compiling pays back (`compile_pays_back`), eager / eager / sdpa where it does not; `train.static_shapes` follows
+    `train.compile` as before. A value given explicitly is kept. On a CPU `auto` already means eager: nothing is set.
+    """
+    if device.type != "cuda":
+        return {}
+    pays, seconds = compile_pays_back(run_flops, peak_flops)
+    decided = {}
+    if cfg.train.compile == "auto":
+        decided["train.compile"] = cfg.train.compile = pays
+    if cfg.target.compile == "auto" and not cfg.target.shard:
+        decided["target.compile"] = cfg.target.compile = pays
+    if cfg.train.attention == "auto":
+        decided["train.attention"] = cfg.train.attention = "flex" if pays else "sdpa"
+    if decided:
+        logger.info(
+            "auto compile: %s (the run is %.0f s of compute at the GPU's peak; a ~%.0f s compile pays back from %.0f s)",
+            ", ".join(f"{k}={str(v).lower()}" for k, v in decided.items()),
+            seconds,
+            COMPILE_SECONDS,
+            COMPILE_SECONDS / COMPILE_GAIN,
+        )
+    return decided
+
+
+__all__ = [
+    "compile_drafter",
+    "compile_enabled",
+    "compile_layers",
+    "compile_pays_back",
+    "resolve_auto_compile",
+    "static_shapes",
+]

@@ -14,11 +14,10 @@ Which figure each row holds:
   that is the figure printed, as the row's source says). This is the usual MFU denominator, and it is the one used
   for every GPU but the H200.
 - The H200 (SXM): 790 TFLOP/s, the rate a large bf16 matmul measured on this project's H200 (80% of the
-  datasheet's 989.5). Every H200 MFU in bench/RESULTS.md and bench/NOTES-train-speed.md, and the training-speed
-  goals stated there, are against 790; keeping it keeps them comparable. On the other GPUs MFU is against an upper
-  bound no matmul reaches, so it reads lower than an H200's for the same efficiency (on an H100 SXM, the H200's
-  compute die, by about 790 / 989); give `train.peak_tflops` a matmul rate measured there for like-for-like
-  figures.
+  datasheet's 989.5). Every H200 MFU in bench/RESULTS.md, and the training-speed goals stated there, are
+  against 790; keeping it keeps them comparable. On the other GPUs MFU is against an upper bound no matmul
+  reaches, so it reads lower than an H200's for the same efficiency (on an H100 SXM, the H200's compute die, by
+  about 790 / 989); give `train.peak_tflops` a matmul rate measured there for like-for-like figures.
 """
 
 from __future__ import annotations

@@ -6,11 +6,12 @@
 
 Everything a step needs is derived from the step number (data order and anchors are seeded by (seed, epoch,
 sample)), so a resumed run repeats an uninterrupted one exactly. Many processes (torchrun): see
-flashdraft/train/distributed.py; the loop calls it in a few places and is otherwise the same.
+flashdraft/train/distributed.py and data_parallel.py; the loop calls them in a few places and is otherwise the same.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -25,11 +26,11 @@ import torch
 
 from flashdraft.config import RunConfig, to_dict
 from flashdraft.devices import autocast
-from flashdraft.train import distributed
+from flashdraft.train import data_parallel, distributed
 from flashdraft.train.checkpoint import CheckpointManager
 from flashdraft.train.compile import static_shapes
 from flashdraft.train.flops import step_flops
-from flashdraft.train.loss import dflash_loss
+from flashdraft.train.loss import Objective, dflash_loss
 from flashdraft.train.masks import attention_kind, drafter_mask
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.optim import build_optimizer, build_scheduler
@@ -59,6 +60,7 @@ class TrainResult:
 
 
 def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
+    started = time.perf_counter()
     out = Path(cfg.log.out)
     check_trackers(cfg.log.trackers)  # before minutes of loading
     # Decided before config.json is written: it is what tells this run's OUT from another run's.
@@ -66,7 +68,10 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
     out.mkdir(parents=True, exist_ok=True)
     if distributed.world().is_main:
         _write_atomically(out / "config.json", json.dumps(to_dict(cfg), indent=1))
+    # The run's own copy: setup decides its `auto` compile switches in it (config.json keeps what was asked).
+    cfg = copy.deepcopy(cfg)
     s = setup(cfg, out, console)
+    ready = time.perf_counter()
     optimizer = build_optimizer(s.drafter.parameters(), cfg.optim, s.device)
     scheduler = build_scheduler(optimizer, cfg.optim, s.total_steps)
     checkpoints = CheckpointManager(out, keep=cfg.log.keep_checkpoints)
@@ -104,6 +109,8 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
         metrics.advance(start)
         for step in range(start, s.total_steps):
             stats, tokens, finite = train_step(s, cfg, optimizer, step)
+            if step == start:
+                _log_first_step(s.device, started, ready)
             if not finite:
                 if cfg.train.on_nonfinite == "stop":
                     raise TrainingError(
@@ -146,7 +153,7 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
         curve = draw_training_curve(out / "metrics.jsonl", out / "training_curve.png") if main else None
         return TrainResult(out, done, float("nan"), float("nan"), None, last_ckpt, curve, stopped_by)
     # Decoding (the measured τ) and the report are rank 0's, on a plain copy of the (sharded) drafter.
-    s.drafter = distributed.gather_drafter(s.drafter)
+    s.drafter = data_parallel.gather_drafter(s.drafter)
     if s.drafter is None:
         return TrainResult(out, s.total_steps, float("nan"), float("nan"), None, last_ckpt, None)
     final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()][-1]
@@ -209,7 +216,7 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
     """One optimizer step over `grad_accum` micro-batches; the loss is normalised over the whole step.
 
     Returns (loss stats, sequence tokens, finite). A non-finite loss or gradient norm applies no update.
-    `mark(phase)` (benchmarks: `flashdraft.train.bench`) is called as each phase has been queued: "target",
+    `mark(phase)` (benchmarks: `flashdraft.train.step_timing`) is called as each phase has been queued: "target",
     "drafter_fwd", "loss", "drafter_bwd" per micro-batch, then "optimizer".
     """
     mark = mark or _no_mark
@@ -224,7 +231,9 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
         step_blocks(s, cfg, ids, mask, idx, epoch, width) for (ids, mask, _), idx in zip(micro, indices, strict=True)
     ]
     # Over the whole global step (every micro-batch of every rank): each token weighs the same whatever the split.
-    denominator = distributed.all_sum(sum(b.weights.sum() for b in batches)).clamp(min=1e-6)
+    objective = Objective.from_recipe(cfg.recipe)
+    normalisers = sum(objective.normaliser(b.labels, b.weights, b.block_size) for b in batches)
+    denominator = data_parallel.all_sum(normalisers).clamp(min=1e-6)
     # Counted before the GPU work is queued: a host sync later would stall the queue between micro-batches.
     tokens = sum(int(attn.sum()) for _, _, attn in micro)
     total = None
@@ -248,13 +257,14 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
             batch.weights,
             block_size=batch.block_size,
             denominator=denominator,
+            objective=objective,
         )
         mark("loss")
         loss.backward()
         mark("drafter_bwd")
         total = stats if total is None else total + stats
-    grad_norm = distributed.clip_grad_norm_(s.drafter.parameters(), cfg.optim.grad_clip)
-    total, tokens = distributed.sum_stats(total, tokens)
+    grad_norm = data_parallel.clip_grad_norm_(s.drafter.parameters(), cfg.optim.grad_clip)
+    total, tokens = data_parallel.sum_stats(total, tokens)
     # One host sync per step: applying a NaN update would poison every later step and checkpoint.
     finite = bool(torch.isfinite(total.loss_sum) & torch.isfinite(grad_norm))
     if finite:
@@ -266,6 +276,20 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
 
 def _no_mark(phase: str) -> None:
     pass
+
+
+def _log_first_step(device: torch.device, started: float, ready: float) -> None:
+    """Once per run: how long until the first step was done, and how much of it was the step itself (on a GPU, its
+    compiles and Triton autotuning) rather than loading the target, the data and the drafter."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    now = time.perf_counter()
+    logger.info(
+        "first step after %.1f s (setup %.1f s: target, data, drafter; the step itself %.1f s)",
+        now - started,
+        ready - started,
+        now - ready,
+    )
 
 
 class _Timer:

@@ -13,6 +13,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Protocol
 
 import numpy as np
@@ -27,11 +28,11 @@ from flashdraft.data import FormatConfig, PrepareConfig, TokenizedDataset, prepa
 from flashdraft.data.features import FeatureStore, HeadTarget
 from flashdraft.devices import resolve_device, resolve_dtype
 from flashdraft.drafter import DFlashDraftModel
-from flashdraft.target import FrozenTarget, build_target
-from flashdraft.train import distributed
+from flashdraft.target import FrozenTarget, build_target, check_fp8, glue_compile_enabled
+from flashdraft.train import data_parallel, distributed
 from flashdraft.train.blocks import DraftBatch, anchor_generator, build_blocks, sample_anchors
-from flashdraft.train.compile import compile_drafter
-from flashdraft.train.flops import Peak, describe, device_peak
+from flashdraft.train.compile import compile_drafter, resolve_auto_compile
+from flashdraft.train.flops import Peak, describe, device_peak, step_flops
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +58,16 @@ class Setup:
     total_steps: int
     features: FeatureStore | None = None  # when training offline (data.features): read instead of the target
     full_target: PreTrainedModel | None = None  # the untruncated target, loaded on the first real-τ measurement
+    tau_decoder: DFlashDraftModel | None = None  # the drafter's copy in the target's dtype that the τ engine decodes
     peak: Peak | None = None  # dense bf16 rate of one device, for MFU (None: unknown, or a CPU)
 
 
 def setup(cfg: RunConfig, out: Path, console) -> Setup:
+    """Everything a run needs before its first step. The `auto` compile switches of `cfg` are decided here, for
+    this run's size (`compile.resolve_auto_compile`), and set in `cfg`."""
     device, tokenizer, target, data, features = load_inputs(cfg, out, console)
     drafter = build_drafter(cfg, target, tokenizer).to(device)
-    compile_drafter(drafter, cfg.train, device)  # per layer, before sharding (as torchtitan orders them)
-    drafter = distributed.parallelize_drafter(drafter, device)
-    # The global step: every rank takes batch_size x grad_accum of its sequences (distributed.py).
+    # The global step: every rank takes batch_size x grad_accum of its sequences (data_parallel.py).
     per_step = cfg.train.batch_size * cfg.train.grad_accum * distributed.world().size
     steps_per_epoch = len(data) // per_step
     if steps_per_epoch == 0:
@@ -79,7 +81,21 @@ def setup(cfg: RunConfig, out: Path, console) -> Setup:
     peak = device_peak(device, cfg.train.peak_tflops)
     if (line := describe(device, peak)) is not None and distributed.world().is_main:
         logger.info("%s", line)
+    run_flops = total * planned_step_flops(cfg, target, drafter, per_step)
+    resolve_auto_compile(cfg, device, run_flops, peak.flops if peak else None)
+    if isinstance(target, FrozenTarget):
+        target.compile_glue(glue_compile_enabled(cfg.target, device))
+    compile_drafter(drafter, cfg.train, device)  # per layer, before sharding (as torchtitan orders them)
+    drafter = data_parallel.parallelize_drafter(drafter, device)
     return Setup(device, tokenizer, target, drafter, data, steps_per_epoch, total, features, peak=peak)
+
+
+def planned_step_flops(cfg: RunConfig, target, drafter, sequences: int) -> float:
+    """The cost model's FLOPs of one global step of `sequences` sequences, each at data.max_length tokens with
+    recipe.num_anchors full blocks: what a step costs at most."""
+    tokens = sequences * cfg.data.max_length
+    labelled = sequences * min(cfg.recipe.num_anchors, cfg.data.max_length) * (drafter.block_size - 1)
+    return step_flops(SimpleNamespace(target=target, drafter=drafter), tokens, labelled)
 
 
 def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = None):
@@ -93,6 +109,8 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
     layer_ids = captured_layer_ids(cfg)
     device = resolve_device(cfg.train.device, field="train.device")
     dtype = resolve_dtype(cfg.target.dtype, device)
+    if cfg.target.precision == "fp8" and not offline:
+        check_fp8(device, dtype)  # before minutes of loading
     # target.shard: the whole target never sits on one GPU; it loads into CPU memory and each rank keeps 1/N.
     load_on = torch.device("cpu") if cfg.target.shard and distributed.world().size > 1 else device
     torch.manual_seed(cfg.train.seed)
@@ -105,7 +123,7 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
             cfg.target, layer_ids=layer_ids, device=load_on, dtype=dtype, num_features=cfg.drafter.num_layers
         )
         if cfg.target.shard:
-            distributed.shard_target(target.model, device)
+            data_parallel.shard_target(target.model, device)
         target.configure(cfg.target)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(cfg), trust_remote_code=cfg.target.trust_remote_code)
     sources = bundled.train_data() if cfg.data.train == [bundled.BUNDLED] else cfg.data.train
@@ -198,7 +216,7 @@ def step_indices(s: Setup, cfg: RunConfig, step: int) -> list[list[int]]:
     order = _epoch_order(s.data, epoch, cfg.train.seed)
     chunk = order[offset * per_step : (offset + 1) * per_step]
     b = cfg.train.batch_size
-    return distributed.rank_share([chunk[i : i + b] for i in range(0, per_step, b)])
+    return data_parallel.rank_share([chunk[i : i + b] for i in range(0, per_step, b)])
 
 
 _ORDER_CACHE: dict = {}
@@ -234,6 +252,8 @@ def pad_positions(t: torch.Tensor, width: int) -> torch.Tensor:
             f"a micro-batch of {t.shape[1]} positions is longer than data.max_length = {width}: prepare "
             "the data with this max_length, or set train.static_shapes=false"
         )
+    if t.shape[1] == width:
+        return t  # no copy: at 131072 tokens the features alone are gigabytes
     pad = [0, 0] * (t.ndim - 2) + [0, width - t.shape[1]]
     return torch.nn.functional.pad(t, pad)
 
@@ -248,6 +268,7 @@ def step_blocks(
             cfg.recipe.num_anchors,
             s.drafter.block_size,
             anchor_generator(cfg.train.seed, epoch, index),
+            cfg.recipe.anchor_sampling,
         )
         for row, index in enumerate(indices)
     ]

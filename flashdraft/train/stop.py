@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from flashdraft.train import distributed
+from flashdraft.train import data_parallel, distributed
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -47,4 +47,4 @@ class GracefulStop:
         if distributed.world().size == 1:
             return self.signal_name is not None
         flag = torch.tensor([1.0 if self.signal_name else 0.0], device=device)
-        return bool(distributed.all_sum(flag).item() > 0)
+        return bool(data_parallel.all_sum(flag).item() > 0)

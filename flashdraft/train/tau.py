@@ -2,6 +2,10 @@
 the full (untruncated) target — during training (`log.eval_every`) and once at the end of a run.
 
     tau = measure_tau(cfg, s, out / "measured_tau.json")      # None when there are no held-out prompts
+
+On a GPU the engine decodes from CUDA graphs. They are captured once per run: the engine is sized for the longest
+held-out prompt before the first one, and the bf16 copy of the drafter it decodes with is kept on `s` and refreshed
+in place (same tensors, new values) at each evaluation, so that every later evaluation replays the same graphs.
 """
 
 from __future__ import annotations
@@ -16,17 +20,18 @@ from flashdraft import bundled
 from flashdraft.config import RunConfig
 from flashdraft.devices import autocast
 from flashdraft.drafter import DFlashDraftModel
+from flashdraft.speculative.engine import session as engine_session
 from flashdraft.speculative.generate import generate, use_engine
 from flashdraft.speculative.prompts import load_prompts
 from flashdraft.target import load_model
-from flashdraft.train import distributed
+from flashdraft.train import data_parallel
 from flashdraft.train.setup import Setup
 
 
 def periodic_tau(cfg: RunConfig, s: Setup) -> float | None:
     """measure_tau during training: every rank gathers the (sharded) drafter, rank 0 decodes, the others go on to
     the next step's collectives and wait there."""
-    plain = distributed.gather_drafter(s.drafter)
+    plain = data_parallel.gather_drafter(s.drafter)
     return None if plain is None else measure_tau(cfg, s, drafter=plain)
 
 
@@ -53,16 +58,21 @@ def measure_tau(
     drafter = (drafter or s.drafter).eval()
     decoder, precision = drafter, autocast(s.device)
     target_dtype = next(full.parameters()).dtype
+    prompts = load_prompts(prompts_path, s.tokenizer, cfg.data.eval_limit)
     if use_engine(full, None) and next(drafter.parameters()).dtype != target_dtype:
         # The engine runs each model in its own dtype, without autocast: decode with a copy of the float32 master
         # weights in the target's dtype. Built from the config, not deep-copied: compiled layers would go on calling
         # the modules they were compiled from.
-        with torch.device(s.device):
-            decoder = DFlashDraftModel(drafter.config).to(target_dtype).eval()
-        decoder.load_state_dict(drafter.state_dict())
+        if s.tau_decoder is None:
+            with torch.device(s.device):
+                s.tau_decoder = DFlashDraftModel(drafter.config).to(target_dtype).eval()
+        decoder = s.tau_decoder
+        decoder.load_state_dict(drafter.state_dict())  # copies into the captured tensors
         precision = contextlib.nullcontext()
+        longest = max((p.input_ids.numel() for p in prompts), default=0)
+        engine_session.prepare(full, longest + cfg.data.eval_max_new_tokens, decoder.block_size, decoder)
     taus = []
-    for prompt in load_prompts(prompts_path, s.tokenizer, cfg.data.eval_limit):
+    for prompt in prompts:
         # Decoding runs the (train.compile) compiled layers eagerly: its cache and shapes change every round.
         with torch.no_grad(), precision, torch.compiler.set_stance("force_eager"):
             result = generate(full, decoder, prompt.input_ids.to(s.device), cfg.data.eval_max_new_tokens)

@@ -1,3 +1,4 @@
+import functools
 import json
 import shutil
 import subprocess
@@ -6,11 +7,11 @@ import sys
 import pytest
 import torch
 
-from flashdraft.fastpath.doctor import diagnose_build_log, run_doctor, transformers_generation
+from flashdraft.fastpath.doctor import build_probe_model, diagnose_build_log, run_doctor, transformers_generation
 from flashdraft.target.tiny import tiny_config
 
 CUDA = torch.cuda.is_available()
-NAMES = {"gpu", "torch", "driver", "triton", "fla-core", "causal-conv1d", "transformers", "probe"}
+NAMES = {"gpu", "torch", "driver", "triton", "fla-core", "causal-conv1d", "transformers", "probe", "fp8 linears"}
 
 
 def test_doctor_json_on_this_machine():
@@ -40,6 +41,8 @@ def test_doctor_json_on_this_machine():
         assert gpu["status"] == "info" and "no CUDA device" in gpu["detail"]
         probe = next(c for c in result["checks"] if c["name"] == "probe")
         assert probe["status"] == "info" and "fallback: no CUDA device" in probe["detail"]
+        fp8 = next(c for c in result["checks"] if c["name"] == "fp8 linears")
+        assert fp8["status"] == "info" and "no FP8 matrix multiplication" in fp8["detail"]
 
 
 def test_no_cuda_device_beside_an_nvidia_driver_is_a_failure(monkeypatch):
@@ -70,7 +73,7 @@ def test_doctor_table_output():
 
 def test_doctor_model_from_config_file(tmp_path):
     tiny_config("qwen3_5_moe", num_layers=8).save_pretrained(tmp_path)
-    result = run_doctor(str(tmp_path / "config.json"), probe_layers=8)
+    result = run_doctor(functools.partial(build_probe_model, str(tmp_path / "config.json"), 8))
     assert [layer["index"] for layer in result["layers"]] == [0, 1, 2, 4, 5, 6]
 
 

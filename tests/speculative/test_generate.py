@@ -8,6 +8,7 @@ import torch
 from flashdraft import fastpath
 from flashdraft.fastpath.patch import is_patched
 from flashdraft.speculative import autoregressive_generate, generate, prompt_lookup_generate
+from flashdraft.target.tiny import HYBRID_FAMILIES
 from flashdraft.versions import _cache_renamed
 
 from ..fastpath import crashes_unpatched_on_cpu
@@ -63,18 +64,23 @@ def test_greedy_equals_target_greedy_with_a_random_drafter(setup):
             _check_stats(result, block_size)
 
 
-# Under transformers 5.24+ these verifications differ from a forward without cache by ~1e-7 in float64 (greedy
-# output still identical): not yet explained, so not hidden either; the bound stays 1e-9.
-ROUNDING_UNEXPLAINED = pytest.mark.xfail(
-    _cache_renamed(), reason="float64 verification error ~1e-7 > 1e-9 under transformers 5.24+", strict=False
-)
+def rounding_unexplained(request, family):
+    """Under transformers 5.24+ a hybrid target's verifications differ from a forward without cache by ~1e-7 in
+    float64 (greedy output still identical; plain attention targets stay below 1e-9): not yet explained, so not
+    hidden either; the bound stays 1e-9 and the mark is strict, so the day it holds again the mark must go."""
+    if _cache_renamed() and family in HYBRID_FAMILIES:
+        request.applymarker(
+            pytest.mark.xfail(
+                reason="float64 hybrid verification error ~1e-7 > 1e-9 under transformers 5.24+", strict=True
+            )
+        )
 
 
-@ROUNDING_UNEXPLAINED
 @pytest.mark.parametrize("block_size,error_rate", [(4, 0.3), (16, 0.08)])
-def test_greedy_with_high_acceptance_covers_every_acceptance_length(setup, block_size, error_rate):
+def test_greedy_with_high_acceptance_covers_every_acceptance_length(request, setup, block_size, error_rate):
     """A drafter that knows the answer (wrong at `error_rate`): full blocks (no rollback) and every partial."""
     target, _, cases = setup
+    rounding_unexplained(request, request.node.callspec.params["setup"])
     accepted_drafts = set()
     with ready(target):
         for i, (prompt, max_new, expected) in enumerate(cases[:6]):
@@ -90,11 +96,11 @@ def test_greedy_with_high_acceptance_covers_every_acceptance_length(setup, block
     assert {0, block_size - 1} <= accepted_drafts
 
 
-@ROUNDING_UNEXPLAINED
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
-def test_moe_hybrids_greedy_equals_target_greedy(family):
+def test_moe_hybrids_greedy_equals_target_greedy(request, family):
     """MoE hybrids (eager experts, float64), several prompts: a drafter that knows the target's greedy continuation
     but errs at a rate gives partial acceptances, full blocks and rollbacks, and the output is the target's own."""
+    rounding_unexplained(request, family)
     target = tiny_target(family, seed=11)
     g = torch.Generator().manual_seed(13)
     accepted_drafts = {4: set(), 8: set()}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashdraft import fastpath
-from flashdraft.config import TargetConfig
+from flashdraft.config import TargetConfig, load_config
 from flashdraft.hub import resolve_local_files_only
 from flashdraft.target import FrozenTarget, glue_compile_enabled, load_target
 from flashdraft.target.tiny import build_tiny_target
@@ -49,6 +49,8 @@ def test_capture_equals_output_hidden_states(family, dtype, layer_ids):
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_capture_with_right_padding(family):
+    """Every token's features equal those of the masked full model (the padding positions' are undefined: the
+    decoder runs unmasked, which causal layers make exact for right padding); other padding is refused."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (2, 11), generator=g)
     mask = torch.ones(2, 11, dtype=torch.long)
@@ -57,7 +59,10 @@ def test_capture_with_right_padding(family):
     target = FrozenTarget.from_model(build_tiny_target(family, LAYERS, dtype=torch.float64), [1, 4], strict=False)
     features = target.capture(ids, mask)
     expected = torch.cat([hidden_states[2], hidden_states[5]], dim=-1)
-    assert torch.equal(features, expected)
+    tokens = mask.bool()
+    torch.testing.assert_close(features[tokens], expected[tokens], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="only right padding"):
+        target.capture(ids, mask.flip(1))
 
 
 def test_frozen_embed_and_lm_head():
@@ -255,3 +260,123 @@ def test_target_compile_resolution(setting, device, shard, expected):
 def test_target_compile_rejects_other_values():
     with pytest.raises(ValueError, match="target.compile = 'yes'"):
         glue_compile_enabled(TargetConfig(path="t", compile="yes"), torch.device("cpu"))
+
+
+# ---- target.precision: fp8 ---------------------------------------------------------------------------------------
+
+
+def _bundled_text_ids(rows: int = 2, length: int = 160) -> torch.Tensor:
+    """Real text for the bundled target: the first `rows` of its training data, `length` tokens each."""
+    from flashdraft import bundled
+
+    tokenizer = bundled.load_tokenizer()
+    records = [json.loads(line) for line in open(bundled.train_data()[0])][:rows]
+    return torch.tensor([tokenizer(r["prompt"] + r["response"])["input_ids"][:length] for r in records])
+
+
+def _norms(features: torch.Tensor) -> torch.Tensor:
+    """(B, T, layers, D) -> the Frobenius norm of each layer's slice."""
+    return features.transpose(0, 2).flatten(1).norm(dim=1)
+
+
+def test_fp8_features_of_the_bundled_target_stay_within_bound():
+    """The bundled (trained) target on its own text, every captured layer against float64: bf16 within 1%, FP8
+    linears (bf16 activations, on the CPU's scaled matmul) within 8% — and measurably off (FP8 really ran)."""
+    from flashdraft import bundled
+    from flashdraft.fastpath import fp8
+
+    ids = _bundled_text_ids()
+    layers = [1, 3, 5, 7]
+
+    def features(dtype, precision):
+        model = bundled.build_target(dtype=dtype)
+        if precision == "fp8":
+            assert fp8.convert_linears(model.model.layers)
+        target = FrozenTarget.from_model(model, layers, strict=False)
+        assert target.precision == precision
+        return target.capture(ids).double().unflatten(-1, (len(layers), -1))
+
+    reference = features(torch.float64, "bf16")
+    for dtype, precision, bound in ((torch.bfloat16, "bf16", 0.01), (torch.bfloat16, "fp8", 0.08)):
+        got = features(dtype, precision)
+        errors = (_norms(got - reference) / _norms(reference)).tolist()
+        assert max(errors) < bound, (precision, errors)
+        if precision == "fp8":
+            assert min(errors) > 0.01, errors
+
+
+def test_fp8_needs_an_fp8_device_and_a_bf16_target():
+    from flashdraft.config import ConfigError
+
+    target = FrozenTarget.from_model(build_tiny_target("qwen3", 4, dtype=torch.float32), [1, 2], strict=False)
+    with pytest.raises(ConfigError, match=r"target.precision = fp8: the cpu device has no FP8") as err:
+        target.configure(TargetConfig(path="t", precision="fp8"))
+    assert err.value.field == "target.precision" and target.precision == "bf16"
+    with pytest.raises(ValueError, match="must be bf16 or fp8"):
+        target.set_precision("int4")
+    for overrides, message in (
+        (["target.precision=fp16"], "must be bf16 or fp8"),
+        (["target.precision=fp8", "target.shard=true"], "cannot be combined with target.shard"),
+        (["target.precision=fp8", "target.dtype=float32"], "needs a bfloat16 target"),
+    ):
+        with pytest.raises(ConfigError, match=message) as err:
+            load_config(None, overrides)
+        assert err.value.field == "target.precision"
+
+
+def test_fp8_refused_on_the_cpu_before_the_target_loads(tmp_path, monkeypatch):
+    from flashdraft import bundled
+    from flashdraft.config import ConfigError
+    from flashdraft.train import setup
+
+    monkeypatch.setattr(setup, "build_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    cfg = load_config(bundled.ASSETS / "train.yaml", ["target.precision=fp8", f"log.out={tmp_path}"])
+    with pytest.raises(ConfigError, match="target.precision = fp8: the cpu device"):
+        setup.load_inputs(cfg, tmp_path, console=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_fp8_target_on_the_gpu(family):
+    """`configure(precision=fp8)` on a bf16 GPU target: FP8 linears proven by the probe (strict), features within
+    FP8's error of the bf16 ones, compiled glue (the quantization compiled) equal to eager, and no way back."""
+    from flashdraft.fastpath import fp8
+
+    if fp8.unsupported_reason(torch.device("cuda")) is not None:
+        pytest.skip(fp8.unsupported_reason(torch.device("cuda")))
+    ids = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    bf16 = FrozenTarget.from_model(build_tiny_target(family, LAYERS, dtype=torch.bfloat16, device="cuda"), [1, 3, 5])
+    expected = bf16.capture(ids).float()
+    target = FrozenTarget.from_model(build_tiny_target(family, LAYERS, dtype=torch.bfloat16, device="cuda"), [1, 3, 5])
+    target.configure(TargetConfig(path="t", precision="fp8", compile=False))
+    assert target.precision == "fp8" and target.fastpath_report.ok and target.fastpath_report.fp8.proven > 0
+    eager = target.capture(ids).float()
+    error = ((eager - expected).norm() / expected.norm()).item()
+    assert 0.005 < error < 0.1, error
+    target.compile_glue(True)
+    compiled = target.capture(ids).float()
+    assert ((compiled - eager).norm() / eager.norm()).item() < 1e-2
+    with pytest.raises(ValueError, match="load the target again"):
+        target.set_precision("bf16")
+
+
+def test_compiled_glue_of_an_fp8_target_keeps_its_features():
+    """`target.compile` with FP8 linears: the per-row quantization compiles (inside the MLPs, and alone for the
+    attention and Gated DeltaNet projections) without a graph break, and the features stay the eager ones."""
+    from torch._dynamo.utils import counters
+
+    from flashdraft.fastpath import fp8
+
+    model = build_tiny_target("qwen3_5", LAYERS, dtype=torch.float32)
+    fp8.convert_linears(model.model.layers)
+    target = FrozenTarget.from_model(model, [1, 3], strict=False)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    eager = target.capture(ids)
+    torch._dynamo.reset()
+    counters.clear()
+    lone = [m for m in target._glue_modules() if isinstance(m, fp8.FP8Linear)]
+    assert lone and all(m is not layer.mlp.down_proj for m in lone for layer in target.decoder.layers)
+    target.compile_glue()
+    torch.testing.assert_close(target.capture(ids), eager, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]

@@ -39,6 +39,24 @@ def test_sample_anchors_rule():
     assert sample_anchors(mask, 4, BS).dtype == torch.long
 
 
+def test_stratified_anchors_one_per_run():
+    mask = torch.tensor([0] * 5 + [1] * 95 + [0] * 30 + [1] * 70)  # candidates 5..98 and 130..184 (T = 200, bs 16)
+    candidates = [p for p in range(1, 200 - BS + 1) if mask[p] and mask[p + 1]]
+    runs = 8
+    seen = set()
+    for index in range(50):
+        got = sample_anchors(mask, runs, BS, anchor_generator(0, 0, index), how="stratified").tolist()
+        assert got == sorted(got) and len(set(got)) == runs
+        for a, position in enumerate(got):  # exactly one in each run of equal length (±1) of the candidates
+            run = candidates[a * len(candidates) // runs : (a + 1) * len(candidates) // runs]
+            assert position in run
+        seen.update(got)
+    assert len(seen) > len(candidates) // 2, "the draws within each run are not random"
+    assert sample_anchors(mask, 1000, BS, how="stratified").tolist() == candidates  # too few: all of them
+    with pytest.raises(ValueError, match="anchor sampling 'even'"):
+        sample_anchors(mask, 4, BS, how="even")
+
+
 def test_anchor_generator_per_epoch_and_sample():
     mask = torch.ones(600)
     draw = lambda seed, epoch, index: sample_anchors(mask, 16, 16, anchor_generator(seed, epoch, index)).tolist()

@@ -17,8 +17,12 @@ from safetensors.torch import load_file
 from flashdraft import bundled
 from flashdraft.config import load_config, to_dict
 from flashdraft.train import loop
+from tests.train.drawn import curve_pixels
 
 PLOT = importlib.util.find_spec("matplotlib") is not None  # the plot extra; without it no curve, and a notice
+# Decoding with the shipped drafter on the bundled target: a step's simulated tau was 1.48-3.75 and the measured tau
+# 1.75 (one prompt, 8 tokens) when written; a drafter that accepts nothing gives about 1.0.
+TAU_FLOOR = 1.3
 SHORT = [
     "train.max_steps=6",
     "log.every=1",
@@ -50,14 +54,16 @@ def test_outputs_of_a_run(full_run):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     for r in rows:
         assert {"loss", "sim_tau", "acc", "tok_s", "draft_tok_s", "lr"} <= set(r)
-        assert r["loss"] > 0 and r["sim_tau"] >= 1 and len(r["acc"]) == 15  # block 16: positions 1..15
+        # The shipped drafter accepts more than one token per block on its own data (a random one: about 1.0).
+        assert r["loss"] > 0 and r["sim_tau"] > TAU_FLOOR and len(r["acc"]) == 15  # block 16: positions 1..15
     if PLOT:
-        assert (out / "training_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        loss, tau = curve_pixels(out / "training_curve.png")
+        assert loss.sum() > 20 and tau.sum() > 20
     else:
         assert result.curve is None and not (out / "training_curve.png").exists()
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000003", "step_00000006"]
     assert (out / "checkpoints" / "step_00000006" / "drafter" / "model.safetensors").is_file()
-    assert result.measured_tau is not None and result.measured_tau >= 1
+    assert result.measured_tau is not None and result.measured_tau > TAU_FLOOR
     assert json.loads((out / "measured_tau.json").read_text())["tau"] == result.measured_tau
     # The bundled default fine-tunes the shipped drafter, trained for the shipped target: its first loss is far
     # below even a uniform guess's log(vocab) (the next test: a fresh drafter's is far above it).
@@ -94,7 +100,7 @@ def test_periodic_real_tau_is_logged_and_leaves_training_unchanged(full_run, tmp
     loop.train(_cfg(out, "log.eval_every=3"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "tau" in r] == [3]  # the last step's τ is the final measurement
-    assert rows[2]["tau"] >= 1
+    assert rows[2]["tau"] > TAU_FLOOR
     assert _losses(out) == _losses(full)  # decoding in between draws no training randomness
 
 
@@ -197,6 +203,9 @@ def test_cli_runs_the_bundled_default_and_reports(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "simulated τ" in out.stdout and "measured τ" in out.stdout
     assert ("training_curve.png" in out.stdout) == PLOT
+    # Time to the first step, once: since the command's start, split into setup and the step itself.
+    first = [line for line in out.stderr.splitlines() if line.startswith("first step after ")]
+    assert len(first) == 1 and " s (setup " in first[0] and "the step itself" in first[0], out.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
@@ -242,7 +251,7 @@ def test_static_shapes_pad_without_changing_loss_or_gradients():
     drafter sees that one shape, and the step's loss and gradients are those of the unpadded batch. On the CPU, in
     float32, where the padding changes no kernel's reduction order (on a GPU it does, by ~3e-5 relative: the GPU
     test below compares within bf16 tolerances instead)."""
-    from flashdraft.train import bench
+    from flashdraft.train import step_timing
 
     overrides = [
         "data.max_length=40",
@@ -255,8 +264,8 @@ def test_static_shapes_pad_without_changing_loss_or_gradients():
         static: load_config(bundled.ASSETS / "train.yaml", [*overrides, f"train.static_shapes={static}"])
         for static in ("false", "true")
     }
-    target, tokenizer = bench.load_bench_target(cfg["false"])
-    s = bench.bench_setup(cfg["false"], target, tokenizer=tokenizer, steps=2)
+    target, tokenizer = step_timing.load_bench_target(cfg["false"])
+    s = step_timing.bench_setup(cfg["false"], target, tokenizer=tokenizer, steps=2)
     s.data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
     shapes = []
     s.drafter.register_forward_pre_hook(
@@ -286,6 +295,45 @@ def test_static_shapes_pad_without_changing_loss_or_gradients():
         torch.testing.assert_close(padded_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_recipe_objective_reaches_the_loss(monkeypatch):
+    """recipe.loss / loss_weighting / anchor_sampling reach the step: every micro-batch's loss gets the recipe's
+    objective and, for D-PACE, the step's labelled blocks (both micro-batches) as its denominator."""
+    from flashdraft.train import step_timing
+    from flashdraft.train.loss import Objective
+    from flashdraft.train.loss.objective import labelled_blocks
+
+    recipe = ["recipe.loss=lk", "recipe.lk_eta=2", "recipe.loss_weighting=dpace", "recipe.anchor_sampling=stratified"]
+    overrides = ["data.max_length=40", "recipe.num_anchors=3", "train.batch_size=2", "train.grad_accum=2"]
+    cfg = load_config(bundled.ASSETS / "train.yaml", [*overrides, "train.device=cpu", *recipe])
+    target, tokenizer = step_timing.load_bench_target(cfg)
+    s = step_timing.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
+    s.data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
+    calls = []
+    real = loop.dflash_loss
+
+    def spy(hidden, head, labels, weights, **kwargs):
+        calls.append((labelled_blocks(labels, kwargs["block_size"]).sum().item(), kwargs))
+        return real(hidden, head, labels, weights, **kwargs)
+
+    monkeypatch.setattr(loop, "dflash_loss", spy)
+
+    class Drop:
+        def step(self):
+            pass
+
+        def zero_grad(self, set_to_none=True):
+            s.drafter.zero_grad(set_to_none=set_to_none)
+
+    stats, _, finite = loop.train_step(s, cfg, Drop(), 0)
+    assert finite and len(calls) == 2
+    blocks = sum(count for count, _ in calls)
+    assert blocks == 4 * 3  # every sequence has room for its 3 anchors
+    for _, kwargs in calls:
+        assert kwargs["objective"] == Objective("lk", 2.0, "dpace", 0.5)
+        assert float(kwargs["denominator"]) == blocks
+    assert float(stats.weight_sum) == blocks == int(stats.blocks)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compiled_flex_steps_over_ragged_batches_on_gpu():
@@ -293,19 +341,19 @@ def test_compiled_flex_steps_over_ragged_batches_on_gpu():
     train.compile the shapes are static (train.static_shapes=auto), and each step's loss is the eager SDPA loss of
     the unpadded batch, up to bf16 rounding. The fast run also compiles the target's glue (target.compile=auto), over
     the batches' four lengths."""
-    from flashdraft.train import bench
+    from flashdraft.train import step_timing
 
     base = ["data.max_length=40", "recipe.num_anchors=6", "train.batch_size=2", "train.grad_accum=1"]
     eager = load_config(
         bundled.ASSETS / "train.yaml", [*base, "train.attention=sdpa", "train.compile=false", "target.compile=false"]
     )
     fast = load_config(bundled.ASSETS / "train.yaml", [*base, "train.attention=flex", "train.compile=true"])
-    target, tokenizer = bench.load_bench_target(eager)
+    target, tokenizer = step_timing.load_bench_target(eager)
     losses = {}
     for name, cfg in (("eager", eager), ("fast", fast)):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
+        s = step_timing.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
         s.data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
         optimizer = torch.optim.SGD(s.drafter.parameters(), lr=0.0)  # the same weights for both steps
         losses[name] = [float(loop.train_step(s, cfg, optimizer, step)[0].loss_sum) for step in (0, 1)]
@@ -395,3 +443,61 @@ def test_logged_loss_accuracy_and_tau_are_means_over_the_log_window(tmp_path, mo
         assert rows[step]["sim_tau"] == pytest.approx(tau, rel=1e-5)
     last = micro[-1]
     assert rows[5]["loss"] != pytest.approx(float(last.loss_sum / last.weight_sum), rel=1e-5)
+
+
+class _TwoLengths:
+    """Two sequences, the second 37 tokens shorter (right padding in the batch), every position a response."""
+
+    def __init__(self, length: int, vocab: int) -> None:
+        g = torch.Generator().manual_seed(length)
+        self.rows = [torch.randint(6, vocab, (n,), generator=g).numpy() for n in (length, length - 37)]
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i):
+        return self.rows[i], torch.ones(len(self.rows[i]), dtype=torch.uint8).numpy()
+
+    def epoch_order(self, epoch: int, seed: int) -> list[int]:
+        return [0, 1]
+
+
+def test_no_step_tensor_grows_with_the_square_of_the_length_or_with_length_times_vocabulary():
+    """Long sequences (data.max_length 131072 on one GPU) need every tensor of a step to grow at most linearly with
+    the length: no (seq x seq) mask or attention matrix, no (seq x vocabulary) logits. Every tensor the step creates
+    (forward and backward, target and drafter, masks, loss) is recorded at two lengths, with a padded batch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from flashdraft.train import step_timing
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.shapes += [(str(func), tuple(t.shape)) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            return out
+
+    largest = {}
+    for length in (400, 1600):  # no model width among the lengths below
+        cfg = load_config(
+            bundled.ASSETS / "train.yaml",
+            [f"data.max_length={length}", "recipe.num_anchors=8", "train.batch_size=2", "train.device=cpu"],
+        )
+        target, tokenizer = step_timing.load_bench_target(cfg)
+        vocab = target.lm_head_weight.shape[0]
+        s = step_timing.bench_setup(cfg, target, tokenizer=tokenizer, steps=1)
+        s.data = _TwoLengths(length, vocab)
+        optimizer = torch.optim.AdamW(s.drafter.parameters())
+        with Shapes() as seen:
+            loop.train_step(s, cfg, optimizer, 0)
+        seq_dims = {length - 1, length, length + 8 * s.drafter.block_size}  # T (shifted), context + blocks
+        square = [(op, shape) for op, shape in seen.shapes if sum(d in seq_dims for d in shape) >= 2]
+        by_vocab = [(op, shape) for op, shape in seen.shapes if vocab in shape and any(d in seq_dims for d in shape)]
+        assert not square and not by_vocab, (square[:3], by_vocab[:3])
+        assert any(length in shape for _, shape in seen.shapes)  # the recording saw the sequence
+        largest[length] = max(math.prod(shape) for _, shape in seen.shapes)
+    assert largest[1600] <= 4.5 * largest[400], largest

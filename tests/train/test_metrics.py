@@ -16,6 +16,7 @@ from rich.console import Console
 from flashdraft.io.redact import is_secret_key, redact
 from flashdraft.train.metrics import MetricsLogger, format_line, read_metrics
 from flashdraft.train.plot import centered_mean, draw_training_curve, plot_training_curve, trend_reach
+from tests.train.drawn import curve_pixels, height_trend
 
 LOGGER = "flashdraft.train.metrics"
 
@@ -324,7 +325,12 @@ def test_plot_training_curve_writes_a_png(tmp_path, steps):
             )
     png = plot_training_curve(tmp_path / "metrics.jsonl", tmp_path / "plots" / "training_curve.png")
     assert png == tmp_path / "plots" / "training_curve.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    loss, tau = curve_pixels(png)
+    assert loss.sum() > 20 and tau.sum() > 20  # both curves (a single step: both markers) are drawn
+    if len(steps) > 1:  # the loss falls and tau rises: the loss ends lower on the image, tau higher
+        loss_left, loss_right = height_trend(loss)
+        tau_left, tau_right = height_trend(tau)
+        assert loss_right > loss_left + 50 and tau_right < tau_left - 50, (loss_left, loss_right, tau_left, tau_right)
     assert not list(png.parent.glob(".*"))
 
 

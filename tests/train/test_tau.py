@@ -15,11 +15,11 @@ def test_measured_tau_on_gpu_decodes_the_master_weights_on_the_engine(monkeypatc
     engine under autocast (bf16 keys into a float32 cache). The engine now decodes a bf16 copy of them; the τ is
     the shipped drafter's real one, and the training drafter is left as it was."""
     from flashdraft.speculative.engine import session as engine_loop
-    from flashdraft.train import bench
+    from flashdraft.train import step_timing
 
     cfg = load_config(bundled.ASSETS / "train.yaml", ["train.device=cuda", "data.eval_limit=4"])
-    target, tokenizer = bench.load_bench_target(cfg)
-    s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=1)
+    target, tokenizer = step_timing.load_bench_target(cfg)
+    s = step_timing.bench_setup(cfg, target, tokenizer=tokenizer, steps=1)
     assert next(s.drafter.parameters()).dtype == torch.float32
     decoded_with = []
     engine_decode = engine_loop.engine_decode
@@ -30,3 +30,34 @@ def test_measured_tau_on_gpu_decodes_the_master_weights_on_the_engine(monkeypatc
     assert [next(d.parameters()).dtype for d in decoded_with] == [torch.bfloat16] * 4
     assert tau > 2.0  # the shipped drafter: ~4.7 on the held-out prompts; a copy without its weights drafts ~1.0
     assert s.drafter.training and next(s.drafter.parameters()).dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_measured_tau_replays_one_set_of_cuda_graphs_across_evaluations():
+    """A run measures τ several times (log.eval_every, then at the end): the engine and the drafter's bf16 copy are
+    captured once, and each evaluation refreshes the copy in place — the τ of the reused graphs equals that of a
+    freshly captured session with the same (changed) weights."""
+    from flashdraft.speculative.engine import session as engine_loop
+    from flashdraft.train import step_timing
+
+    cfg = load_config(bundled.ASSETS / "train.yaml", ["train.device=cuda", "data.eval_limit=3"])
+    target, tokenizer = step_timing.load_bench_target(cfg)
+    s = step_timing.bench_setup(cfg, target, tokenizer=tokenizer, steps=1)
+    measure_tau(cfg, s)
+    session = engine_loop.current_session(s.full_target)
+    graphs = [step.graph for step in session.engine.steps.values()] + [r.step.graph for r in session.runners.values()]
+    assert session.captured and len(session.runners) == 1 and all(g is not None for g in graphs)
+    with torch.no_grad():  # training moves the weights between evaluations
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        for p in s.drafter.parameters():
+            p.add_(torch.randn(p.shape, device=p.device, generator=generator) * 0.1 * p.std().nan_to_num())
+    reused = measure_tau(cfg, s)
+    again = engine_loop.current_session(s.full_target)
+    assert again is session and len(session.runners) == 1
+    assert [step.graph for step in session.engine.steps.values()] + [
+        r.step.graph for r in session.runners.values()
+    ] == graphs
+    engine_loop.drop_session(s.full_target)
+    s.tau_decoder = None
+    assert measure_tau(cfg, s) == reused

@@ -708,6 +708,8 @@ def _tuned_kernel(kind: str, elem_size: int):
             configs,
             key=["D", "W", "NTOK_LOG2", "SILU", "HAS_SEQ_IDX"],
             prune_configs_by={"early_config_prune": _prune_by_width},
+            # Triton's disk cache of autotune results (beside its kernel cache): a new process skips the timing.
+            cache_results=True,
         )(fn)
     return _tuned[key]
 

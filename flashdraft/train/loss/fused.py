@@ -1,10 +1,12 @@
-"""The DFlash loss: weighted cross-entropy of the drafter's hidden states through the target's frozen LM head.
+"""The DFlash loss: weighted token losses of the drafter's hidden states through the target's frozen LM head.
 
-The loss is Σ w·CE / Σ w over the labelled positions (k >= 1 whose token is a response token), with
-w_k = exp(-(k - 1) / γ) (`DraftBatch.weights`); `denominator=` lets a caller normalise over a whole optimizer step
-instead. The logits are never all in memory: rows go through the head in chunks, and each chunk's input gradient
-is made in the same pass (`LinearCrossEntropyFunction`). `train/loss/reference.py` computes the same thing from
-full logits; the tests compare the two.
+The loss is Σ w·ℓ / N over the labelled positions (k >= 1 whose token is a response token): ℓ the token loss and
+w the position weight of the `Objective` (train/loss/objective.py; by default cross-entropy and
+w_k = exp(-(k - 1) / γ) from `DraftBatch.weights`, N = Σ w); `denominator=` lets a caller normalise over a whole
+optimizer step instead. The logits are never all in memory: rows go through the head in chunks, and each row's
+input gradient is made in the same pass (`LinearCrossEntropyFunction`); the weights, which D-PACE computes from
+the pass's own confidences, scale those gradients afterwards. `train/loss/reference.py` computes the same thing
+from full logits; the tests compare the two.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import functools
 import torch
 
 from flashdraft.train.blocks import IGNORE_INDEX
+from flashdraft.train.loss.objective import PAPER, Objective, dpace_weights
 from flashdraft.train.loss.stats import LossStats, block_stats
 
 
@@ -53,20 +56,33 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, compute_dtype: tor
     return torch.mm(hidden, weight.t()).to(compute_dtype)
 
 
-def _chunk_ce(logits: torch.Tensor, target: torch.Tensor, w: torch.Tensor, grad_dtype: torch.dtype | None):
-    """One chunk: Σ w·CE, argmax hits, and (when `grad_dtype` is given) d(w·CE)/dlogits = w·(softmax - onehot).
+def _chunk_ce(logits: torch.Tensor, target: torch.Tensor, eta: float | None, grad_dtype: torch.dtype | None):
+    """One chunk: per-row token loss ℓ, CE, argmax hits and (when `grad_dtype` is given) dℓ/dlogits.
 
-    Written out of place so that one compiled kernel pair (a row reduction, then one pointwise pass writing the
-    gradient straight in `grad_dtype`) can replace the ~10 passes over the (c, V) fp32 logits that eager runs.
+    ℓ = CE, or with `eta` the one-hot LK^λ loss λ·CE + (1 − λ)·(1 − q), λ = exp(−η·q) held constant (objective.py),
+    whose gradient is CE's scaled by λ + (1 − λ)·q. Written out of place so that one compiled kernel pair (a row
+    reduction, then one pointwise pass writing the gradient straight in `grad_dtype`) can replace the ~10 passes
+    over the (c, V) fp32 logits that eager runs.
     """
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    loss = (w * (lse - logits.gather(1, target))).sum()
+    ce = lse - logits.gather(1, target)  # (c, 1)
+    scale = None
+    if eta is None:
+        loss = ce
+    else:
+        q = torch.exp(-ce)
+        lam = torch.exp(-eta * q)
+        loss = lam * ce + (1 - lam) * (1 - q)
+        scale = lam + (1 - lam) * q
     correct = logits.argmax(dim=-1) == target[:, 0]
     if grad_dtype is None:
-        return loss, correct, None
+        return loss[:, 0], ce[:, 0], correct, None
     probs = (logits - lse).exp()
     onehot = torch.arange(logits.shape[1], device=logits.device) == target
-    return loss, correct, (torch.where(onehot, probs - 1.0, probs) * w).to(grad_dtype)
+    dlogits = torch.where(onehot, probs - 1.0, probs)
+    if scale is not None:
+        dlogits = dlogits * scale
+    return loss[:, 0], ce[:, 0], correct, dlogits.to(grad_dtype)
 
 
 @functools.cache
@@ -76,42 +92,42 @@ def _compiled_chunk_ce():
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Σ_i w_i · CE(h_i W^T, y_i) over rows, in row chunks; the input gradient is made in the same pass.
+    """Per-row token losses ℓ_i of h_i W^T against y_i, in row chunks; each row's gradient dℓ_i/dh_i is made in the
+    same pass and stored, so backward only scales it by the incoming per-row gradient (the position weights).
 
-    Only one (chunk, V) block of logits exists at a time; backward just scales the stored (N, D) gradient.
-    The head W is frozen: no gradient for it. On CUDA the per-chunk softmax math is compiled (fused); elsewhere it
-    runs eagerly.
+    Returns (ℓ, CE, argmax hits), each (N,); only ℓ is differentiable. Only one (chunk, V) block of logits exists at
+    a time. The head W is frozen: no gradient for it. On CUDA the per-chunk softmax math is compiled (fused);
+    elsewhere it runs eagerly. `eta`: None for cross-entropy, else the LK loss's η.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk_size):
+    def forward(ctx, hidden, weight, labels, chunk_size, eta):
         # Autocast would re-cast the chunk matmuls; the dtypes here are chosen explicitly.
         with torch.autocast(hidden.device.type, enabled=False):
             compute_dtype = torch.promote_types(weight.dtype, torch.float32)
             need_grad = ctx.needs_input_grad[0]
             chunk_ce = _compiled_chunk_ce() if hidden.is_cuda else _chunk_ce
             rows = hidden.shape[0]
-            loss_sum = torch.zeros((), dtype=compute_dtype, device=hidden.device)
+            token_loss = torch.empty(rows, dtype=compute_dtype, device=hidden.device)
+            ce = torch.empty(rows, dtype=compute_dtype, device=hidden.device)
             correct = torch.empty(rows, dtype=torch.bool, device=hidden.device)
             grad = torch.empty_like(hidden) if need_grad else None
             for start in range(0, rows, chunk_size):
                 end = min(start + chunk_size, rows)
                 logits = _chunk_logits(hidden[start:end], weight, compute_dtype)
-                w = weights[start:end, None].to(compute_dtype)
-                loss, correct[start:end], dlogits = chunk_ce(
-                    logits, labels[start:end, None], w, weight.dtype if need_grad else None
+                token_loss[start:end], ce[start:end], correct[start:end], dlogits = chunk_ce(
+                    logits, labels[start:end, None], eta, weight.dtype if need_grad else None
                 )
-                loss_sum += loss
                 if need_grad:
                     grad[start:end] = torch.mm(dlogits, weight).to(hidden.dtype)
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(correct)
-        return loss_sum, correct
+        ctx.mark_non_differentiable(ce, correct)
+        return token_loss, ce, correct
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_correct):
+    def backward(ctx, grad_loss, _grad_ce, _grad_correct):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None
+        return grad * grad_loss.to(grad.dtype)[:, None], None, None, None, None
 
 
 def dflash_loss(
@@ -123,20 +139,22 @@ def dflash_loss(
     block_size: int,
     chunk_size: int = 1024,
     denominator: torch.Tensor | float | None = None,
+    objective: Objective = PAPER,
 ) -> tuple[torch.Tensor, LossStats]:
-    """Weighted cross-entropy of drafter hidden states through the frozen LM head, never all logits at once.
+    """Weighted token losses of drafter hidden states through the frozen LM head, never all logits at once.
 
     Args:
         hidden: (B, Q) x D drafter output, Q = A * block_size.
         lm_head_weight: (V, D) the target's LM head (a plain linear head: no softcapping or multiplier).
         labels: (B, Q) token ids, IGNORE_INDEX (-100) where unlabelled; those rows are skipped entirely.
-        weights: (B, Q) loss weights of labelled rows (`DraftBatch.weights`).
+        weights: (B, Q) loss weights of labelled rows (`DraftBatch.weights`; unused by the dpace weighting).
         chunk_size: rows per chunk; a chunk holds chunk_size x V logits in fp32 (1024 x 248320 ≈ 1 GB).
-        denominator: default Σ w of this call; pass a total over a whole optimizer step (all micro-batches and
-            ranks) to weight every token of the step alike.
+        denominator: default `objective.normaliser` of this call; pass a total over a whole optimizer step (all
+            micro-batches and ranks) to weight every token of the step alike.
+        objective: the token loss and the position weighting (train/loss/objective.py).
 
     Returns:
-        loss = Σ w·CE / denominator (0 when nothing is labelled), and `LossStats` (detached counts).
+        loss = Σ w·ℓ / denominator (0 when nothing is labelled), and `LossStats` (detached counts).
     """
     check_loss_inputs(hidden, lm_head_weight, labels, weights, block_size)
     if chunk_size < 1:
@@ -145,22 +163,30 @@ def dflash_loss(
     labelled = labels != IGNORE_INDEX
     rows = labelled.view(-1).nonzero().squeeze(1)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    # Sums in the loss's own precision (fp32, or fp64 for an fp64 head) so Σ w matches Σ w·CE.
+    # Σ w in at least the weights' precision.
     sum_dtype = torch.promote_types(torch.promote_types(weights.dtype, lm_head_weight.dtype), torch.float32)
-    row_weights = weights.reshape(-1)[rows].to(sum_dtype)
-    loss_sum, correct = LinearCrossEntropyFunction.apply(
-        flat_hidden[rows], lm_head_weight, labels.reshape(-1)[rows], row_weights, chunk_size
+    token_loss, ce, correct = LinearCrossEntropyFunction.apply(
+        flat_hidden[rows], lm_head_weight, labels.reshape(-1)[rows], chunk_size, objective.eta
     )
-    weight_sum = row_weights.sum()
+    if objective.weighting == "dpace":
+        confidence = torch.zeros(labels.numel(), dtype=sum_dtype, device=labels.device)
+        confidence[rows] = torch.exp(-ce.to(sum_dtype))
+        position_weights = dpace_weights(confidence.view(labels.shape), labelled, block_size, objective.dpace_alpha)
+    else:
+        position_weights = weights
+    # The loss in the head's compute precision (fp32, or fp64 for an fp64 head), like the token losses.
+    row_weights = position_weights.reshape(-1)[rows].to(token_loss.dtype)
+    loss_sum = (row_weights * token_loss).sum()
+    normaliser = objective.normaliser(labels, weights.to(sum_dtype), block_size)
     if denominator is None:
-        denominator = weight_sum
+        denominator = normaliser
     denominator = torch.as_tensor(denominator, dtype=loss_sum.dtype, device=loss_sum.device)
     loss = loss_sum / torch.where(denominator > 0, denominator, torch.ones_like(denominator))
 
     with torch.no_grad():
         hits = torch.zeros(labels.numel(), dtype=torch.bool, device=labels.device)
         hits[rows] = correct
-        stats = block_stats(hits.view(labels.shape), labelled, loss_sum, weight_sum, block_size)
+        stats = block_stats(hits.view(labels.shape), labelled, loss_sum, normaliser, block_size)
     return loss, stats
 
 

@@ -1,4 +1,5 @@
-"""The DFlash loss written plainly: every logit at once and torch's cross-entropy (what `dflash_loss` must equal).
+"""The DFlash loss written plainly: every logit at once, torch's cross-entropy and softmax, and each `Objective`
+from its definition (what `dflash_loss` must equal).
 
 It holds all B·Q·V logits and their gradient, so it serves tests and checks of a new head, dtype or device, not
 training. Same arguments and return contract as `dflash_loss`: (loss, `LossStats`).
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from flashdraft.train.blocks import IGNORE_INDEX
 from flashdraft.train.loss.fused import check_loss_inputs
+from flashdraft.train.loss.objective import PAPER, Objective, labelled_blocks
 from flashdraft.train.loss.stats import LossStats, block_stats
 
 
@@ -22,11 +24,12 @@ def reference_loss(
     *,
     block_size: int,
     denominator: torch.Tensor | float | None = None,
+    objective: Objective = PAPER,
 ) -> tuple[torch.Tensor, LossStats]:
-    """Σ w·CE / denominator over the labelled positions from full logits `hidden @ lm_head_weight.T`.
+    """Σ w·ℓ / denominator over the labelled positions from full logits `hidden @ lm_head_weight.T`.
 
     Computed in the inputs' common dtype, at least float32 (pass float64 tensors for a float64 reference); the
-    denominator defaults to Σ w, and the loss is 0 when it is 0 (nothing labelled).
+    denominator defaults to Σ w (exp weighting) or the labelled blocks (dpace), and the loss is 0 when it is 0.
     """
     check_loss_inputs(hidden, lm_head_weight, labels, weights, block_size)
     dtype = torch.promote_types(torch.promote_types(hidden.dtype, lm_head_weight.dtype), torch.float32)
@@ -34,14 +37,38 @@ def reference_loss(
     labelled = labels != IGNORE_INDEX
     logits = hidden.to(dtype) @ lm_head_weight.to(dtype).t()  # (B, Q, V)
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX)
-    w = torch.where(labelled, weights.to(dtype), 0.0).flatten()
-    loss_sum, weight_sum = (w * ce).sum(), w.sum()
-    denominator = weight_sum if denominator is None else torch.as_tensor(denominator, dtype=dtype)
+    ce = ce.view(labels.shape)
+    # The drafter's probability of each label, from the softmax itself (IGNORE rows read token 0, then masked).
+    q = logits.softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    if objective.loss == "lk":
+        lam = torch.exp(-objective.lk_eta * q).detach()
+        token_loss = lam * ce + (1 - lam) * (1 - q)
+    else:
+        token_loss = ce
+    if objective.weighting == "dpace":
+        w = _dpace_by_definition(q.detach(), labelled, block_size, objective.dpace_alpha)
+        normaliser = labelled_blocks(labels, block_size).sum().to(dtype)
+    else:
+        w = torch.where(labelled, weights.to(dtype), 0.0)
+        normaliser = w.sum()
+    loss_sum = torch.where(labelled, w * token_loss, 0.0).sum()
+    denominator = normaliser if denominator is None else torch.as_tensor(denominator, dtype=dtype)
     loss = loss_sum / denominator if denominator > 0 else loss_sum * 0
     with torch.no_grad():
         hits = (logits.argmax(-1) == labels) & labelled
-        stats = block_stats(hits, labelled, loss_sum, weight_sum, block_size)
+        stats = block_stats(hits, labelled, loss_sum, normaliser, block_size)
     return loss, stats
+
+
+def _dpace_by_definition(q: torch.Tensor, labelled: torch.Tensor, block_size: int, alpha: float) -> torch.Tensor:
+    """w_j = Σ_{m >= j} Π_{i <= m} q̃_i over the labelled i, m of each block, as sums over index matrices:
+    log Π_{i<=m} = Σ_i [i <= m] log q̃_i, then Σ_m [m >= j] (one triangular matrix, both times)."""
+    shape = (q.shape[0], -1, block_size)
+    keep = labelled.view(shape)
+    log_smooth = torch.where(keep, torch.log((1 - alpha) * q.view(shape) + alpha), 0.0)
+    upper = torch.ones(block_size, block_size, dtype=q.dtype, device=q.device).triu()  # upper[i, m] = [i <= m]
+    reach = torch.where(keep, torch.exp(log_smooth @ upper), 0.0)  # (B, A, bs): Π up to m, at labelled m
+    return torch.where(keep, reach @ upper.t(), 0.0).view(q.shape)  # Σ_m upper[j, m] reach_m
 
 
 __all__ = ["reference_loss"]

@@ -16,9 +16,10 @@ class LossStats:
     """Counts, summable across steps and ranks (all tensors, on the loss's device: no host sync)."""
 
     loss_sum: torch.Tensor
-    """Σ w·CE over labelled positions (float32 scalar)."""
+    """Σ w·ℓ over labelled positions (float32 scalar)."""
     weight_sum: torch.Tensor
-    """Σ w over labelled positions (float32 scalar)."""
+    """The loss's normaliser over the same positions (`Objective.normaliser`): Σ w for the exp weighting, the
+    labelled blocks for dpace; loss_sum / weight_sum is the logged loss."""
     correct: torch.Tensor
     """(bs,) argmax == label per block position k (k = 0 is never labelled: 0)."""
     valid: torch.Tensor

@@ -14,7 +14,7 @@ import pytest
 from flashdraft.config import S3Config
 from flashdraft.data import DataError, DataReport, PrepareConfig, TokenizedDataset, iter_records, prepare_shards
 from flashdraft.data import resolve_sources as resolve
-from flashdraft.data.sources import read_again_if_cut_off
+from flashdraft.data.remote import read_again_if_cut_off
 
 from .conftest import FAKE_KEY_ID, FAKE_SECRET
 

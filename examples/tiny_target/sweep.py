@@ -1,0 +1,294 @@
+"""Recipe ablation on the tiny target: train each variant with the same budget, measure τ at T=0 and T=1.
+
+    python examples/tiny_target/sweep.py --data build/tiny_target/regen_t0.jsonl build/tiny_target/regen_t1.jsonl \\
+        --steps 300 --out build/tiny_target/sweep [--variants baseline,dpace,lk] [--set train.compile=false ...]
+
+Every variant is `examples/tiny_target/drafter.yaml` plus its own overrides (VARIANTS below), trained from a fresh
+drafter for the same `--steps` on the same data with the same seed, one after the other in this process. Each is
+then decoded on the same held-out prompts (default: the package's 64, `flashdraft/bundled/eval.jsonl`) at T=0 and
+T=1, block 16; prompt lookup decodes the same prompts with the same settings once per temperature, at the start.
+Writes to --out: sweep.json (after every variant, so a cut-short sweep keeps what it measured), sweep.md (the
+table) and sweep.png (a bar chart; needs matplotlib). `--deadline-s` skips the variants that would end after it;
+`--redraw` rewrites the table and the chart from --out's sweep.json (e.g. on a machine with matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "baseline": ("drafter.yaml: 3 layers on target layers 1-5, 128 anchors, CE, exp(-(k-1)/7)", []),
+    "dpace": ("D-PACE position weights (alpha 0.5)", ["recipe.loss_weighting=dpace"]),
+    "lk": ("LK^lambda token loss (eta 3)", ["recipe.loss=lk"]),
+    "dpace_lk": ("D-PACE weights and the LK loss", ["recipe.loss_weighting=dpace", "recipe.loss=lk"]),
+    "gamma4": ("faster decay, gamma 4", ["recipe.gamma=4"]),
+    "gamma14": ("slower decay, gamma 14", ["recipe.gamma=14"]),
+    "anchors256": ("256 anchors per sequence", ["recipe.num_anchors=256"]),
+    "stratified": ("anchors stratified over the response", ["recipe.anchor_sampling=stratified"]),
+    "layers5": ("5 drafter layers", ["drafter.num_layers=5"]),
+    "spread": ("target layers 1, 3, 5, 6, 7", ["drafter.target_layer_ids=[1, 3, 5, 6, 7]"]),
+}
+DEFAULT_VARIANTS = "baseline,dpace,lk,spread,gamma4,layers5,anchors256"
+TEMPERATURES = (0.0, 1.0)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("build/tiny_target/sweep"))
+    p.add_argument("--config", type=Path, default=HERE / "drafter.yaml", help="the recipe every variant starts from")
+    p.add_argument("--target", default="bundled", help="target directory, or 'bundled' (default)")
+    p.add_argument("--data", nargs="+", default=None, help="training JSONL (default: the config's data.train)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per variant (the same for all)")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    p.add_argument("--set", nargs="*", default=[], metavar="section.field=value", help="overrides for every variant")
+    p.add_argument("--prompts", type=Path, default=None, help="held-out prompts (default: the package's 64)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed at T=1 (prompt i: seed + i)")
+    p.add_argument("--deadline-s", type=float, default=None, help="skip variants that would end later than this")
+    p.add_argument("--redraw", action="store_true", help="only rewrite sweep.md and sweep.png from --out/sweep.json")
+    a = p.parse_args(argv)
+    a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    unknown = [v for v in a.variants if v not in VARIANTS]
+    if unknown or not a.variants:
+        p.error(f"--variants: unknown {unknown or 'none given'}; choose from {', '.join(VARIANTS)}")
+    if a.steps < 1 or a.max_new_tokens < 1 or a.block_size < 2 or (a.limit is not None and a.limit < 1):
+        p.error("--steps, --max-new-tokens and --limit must be >= 1, --block-size >= 2")
+    return a
+
+
+def variant_config(a: argparse.Namespace, name: str):
+    from flashdraft.config import load_config
+
+    run = a.out / "runs" / name
+    base = [
+        f"target.path={a.target}",
+        f"log.out={run}",
+        f"train.max_steps={a.steps}",
+        f"data.shards={a.out / 'shards'}",  # tokenised once, by the first run, reused by the others
+        "data.eval_prompts=null",  # this script measures τ itself, on every variant alike
+        f"log.checkpoint_every={a.steps}",
+        "log.keep_checkpoints=1",
+        f"log.every={max(1, a.steps // 20)}",
+    ]
+    if a.data:
+        base.append(f"data.train=[{', '.join(a.data)}]")
+    return load_config(a.config, [*base, *a.set, *VARIANTS[name][1]])
+
+
+def train_variant(cfg) -> dict:
+    from rich.console import Console
+
+    from flashdraft.train.loop import train
+
+    start = time.perf_counter()
+    result = train(cfg, console=Console(quiet=True))
+    seconds = time.perf_counter() - start
+    rows = [json.loads(line) for line in (result.out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steady = rows[1:] or rows  # the first window carries the warm-up
+    return {
+        "train_s": seconds,
+        "tok_s": sum(r["tok_s"] for r in steady) / len(steady),
+        "steps": result.steps,
+        "loss": result.loss,
+        "sim_tau": result.sim_tau,
+        "drafter": str(result.checkpoint / "drafter"),
+    }
+
+
+class Decoder:
+    """The target and prompts, loaded once; decodes a method over every prompt at one temperature."""
+
+    def __init__(self, a: argparse.Namespace, device: torch.device):
+        from flashdraft import bundled
+        from flashdraft.speculative.prompts import load_prompts
+        from flashdraft.target import load_model
+
+        self.a, self.device = a, device
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.target = load_model(a.target, dtype=self.dtype, device=device)
+        if a.target == bundled.BUNDLED:
+            tokenizer = bundled.load_tokenizer()
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(a.target)
+        self.prompts = load_prompts(a.prompts or bundled.eval_prompts(), tokenizer, a.limit)
+        eos = {getattr(self.target.generation_config, "eos_token_id", None), tokenizer.eos_token_id}
+        self.stops = sorted(int(e) for e in eos if isinstance(e, int))
+
+    def run(self, method: str, temperature: float, drafter=None) -> tuple[float, list[list[int]]]:
+        """(τ over all rounds of all prompts, each prompt's tokens)."""
+        from flashdraft.speculative import generate, prompt_lookup_generate
+        from flashdraft.speculative.evaluate import Tally
+
+        tally, outputs = Tally(), []
+        for i, prompt in enumerate(self.prompts):
+            gen = None
+            if temperature > 0:
+                gen = torch.Generator(device=self.device).manual_seed(self.a.seed + i)
+            common = dict(temperature=temperature, block_size=self.a.block_size, stop_token_ids=self.stops)
+            ids = prompt.input_ids.to(self.device)
+            with torch.no_grad():
+                if method == "dflash":
+                    result = generate(self.target, drafter, ids, self.a.max_new_tokens, generator=gen, **common)
+                else:
+                    result = prompt_lookup_generate(self.target, ids, self.a.max_new_tokens, generator=gen, **common)
+            tally.add(result)
+            outputs.append(result.tokens)
+        return tally.tau, outputs
+
+    def drafter(self, path: str):
+        from flashdraft.drafter import DFlashDraftModel
+
+        return DFlashDraftModel.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+
+
+def write_report(out: Path, report: dict) -> None:
+    (out / "sweep.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "sweep.md").write_text(table(report) + "\n")
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in report["variants"] if "tau_t0" in r]
+    if not done:
+        return
+    fig, ax = plt.subplots(figsize=(1.2 * len(done) + 2, 4))
+    x = range(len(done))
+    ax.bar([i - 0.2 for i in x], [r["tau_t0"] for r in done], width=0.4, label="DFlash T=0")
+    ax.bar([i + 0.2 for i in x], [r["tau_t1"] for r in done], width=0.4, label="DFlash T=1")
+    for t, style in zip(TEMPERATURES, ("--", ":"), strict=True):
+        ax.axhline(
+            report["prompt_lookup"][f"tau_t{t:g}"], color="gray", linestyle=style, label=f"prompt lookup T={t:g}"
+        )
+    ax.set_xticks(list(x), [r["name"] for r in done], rotation=20)
+    ax.set_ylabel("τ (tokens per verification)")
+    ax.set_title(f"{report['steps']} steps per variant, {report['num_prompts']} held-out prompts, block 16")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "sweep.png", dpi=120)
+    plt.close(fig)
+
+
+def table(report: dict) -> str:
+    lookup = report["prompt_lookup"]
+    lines = [
+        f"{report['steps']} steps per variant; {report['num_prompts']} held-out prompts, {report['max_new_tokens']} "
+        f"new tokens, block {report['block_size']}; prompt lookup τ {lookup['tau_t0']:.2f} (T=0), "
+        f"{lookup['tau_t1']:.2f} (T=1).",
+        "",
+        "| variant | τ T=0 | τ T=1 | × prompt lookup (T=0) | training s | tokens/s | final loss | what |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["variants"]:
+        if "tau_t0" not in r:
+            why = f"skipped: {r['skipped']}" if "skipped" in r else f"failed: {r.get('failed', '?')}"
+            lines.append(f"| {r['name']} | – | – | – | – | – | – | {why} |")
+            continue
+        lines.append(
+            f"| {r['name']} | {r['tau_t0']:.2f} | {r['tau_t1']:.2f} | {r['tau_t0'] / lookup['tau_t0']:.2f}× | "
+            f"{r['train_s']:.0f} | {r['tok_s']:,.0f} | {r['loss']:.3f} | {r['what']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.redraw:
+        report = json.loads((a.out / "sweep.json").read_text())
+        write_report(a.out, report)
+        print(table(report))
+        return 0
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    start = time.perf_counter()
+    a.out.mkdir(parents=True, exist_ok=True)
+    for name in a.variants:
+        variant_config(a, name)  # every variant's config checked before anything trains
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    decoder = Decoder(a, device)
+    report = {
+        "steps": a.steps,
+        "num_prompts": len(decoder.prompts),
+        "max_new_tokens": a.max_new_tokens,
+        "block_size": a.block_size,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "common_overrides": a.set,
+        "data": a.data,
+        "prompt_lookup": {},
+        "variants": [],
+    }
+    lookup_tokens = {}
+    for t in TEMPERATURES:
+        report["prompt_lookup"][f"tau_t{t:g}"], lookup_tokens[t] = decoder.run("prompt_lookup", t)
+    print(f"prompt lookup: τ {report['prompt_lookup']} ({time.perf_counter() - start:.0f} s)", flush=True)
+    write_report(a.out, report)
+    longest = 0.0
+    for name in a.variants:
+        row = {"name": name, "what": VARIANTS[name][0], "overrides": VARIANTS[name][1]}
+        report["variants"].append(row)
+        began = time.perf_counter()
+        if a.deadline_s is not None and began - start + 1.2 * longest > a.deadline_s:
+            row["skipped"] = f"the {a.deadline_s:.0f} s deadline"
+            print(f"{name}: skipped (deadline)", flush=True)
+            write_report(a.out, report)
+            continue
+        try:
+            measure(a, decoder, name, row, lookup_tokens)
+        except Exception as exc:  # one variant failing (out of memory, say) must not cost the others
+            row["failed"] = f"{type(exc).__name__}: {exc}"
+            print(f"{name}: failed: {row['failed']}", flush=True)
+            write_report(a.out, report)
+            continue
+        finally:
+            _release(decoder.target)
+            longest = max(longest, time.perf_counter() - began)
+        print(
+            f"{name}: τ {row['tau_t0']:.2f} (T=0) {row['tau_t1']:.2f} (T=1), train {row['train_s']:.0f} s at "
+            f"{row['tok_s']:,.0f} tok/s, eval {row['eval_s']:.0f} s",
+            flush=True,
+        )
+        write_report(a.out, report)
+    report["total_s"] = time.perf_counter() - start
+    write_report(a.out, report)
+    print(table(report))
+    return 1 if any("failed" in r for r in report["variants"]) else 0
+
+
+def measure(a: argparse.Namespace, decoder: Decoder, name: str, row: dict, lookup_tokens: dict) -> None:
+    """Train variant `name` and decode with it at both temperatures, into `row`."""
+    began = time.perf_counter()
+    row.update(train_variant(variant_config(a, name)))
+    drafter = decoder.drafter(row["drafter"])
+    for t in TEMPERATURES:
+        row[f"tau_t{t:g}"], tokens = decoder.run("dflash", t, drafter)
+        if t == 0:  # both decodings are lossless: each must be the target's greedy output
+            row["greedy_mismatches"] = sum(x != y for x, y in zip(tokens, lookup_tokens[t], strict=True))
+    row["eval_s"] = time.perf_counter() - began - row["train_s"]
+
+
+def _release(target) -> None:
+    """Free a finished variant's decoding state (the engine keeps one runner, with its graphs, per drafter)."""
+    from flashdraft.speculative.engine.session import drop_session
+
+    drop_session(target)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

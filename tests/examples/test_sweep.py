@@ -1,0 +1,103 @@
+"""examples/tiny_target/sweep.py end to end at the smallest size on the CPU: two variants trained from the same
+seed on the bundled data, decoded beside prompt lookup, the JSON, table and plot written; the deadline skips; a
+failing variant is reported and the others go on; a bad variant name stops before anything trains."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashdraft import bundled
+
+ROOT = Path(__file__).resolve().parents[2]
+PLOT = importlib.util.find_spec("matplotlib") is not None
+
+
+def load_sweep():
+    spec = importlib.util.spec_from_file_location("tiny_target_sweep", ROOT / "examples" / "tiny_target" / "sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TINY = [
+    "--data",
+    str(bundled.ASSETS / "train.jsonl"),
+    "--steps",
+    "2",
+    "--limit",
+    "1",
+    "--max-new-tokens",
+    "12",
+    "--set",
+    "train.batch_size=1",
+    "recipe.num_anchors=4",
+    "data.max_length=256",
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny models on a shared 2-core machine: one thread is several times faster than two.
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def test_sweep_trains_and_measures_each_variant(tmp_path, capsys):
+    sweep = load_sweep()
+    assert sweep.main([*TINY, "--out", str(tmp_path), "--variants", "baseline,dpace_lk"]) == 0
+    report = json.loads((tmp_path / "sweep.json").read_text())
+    assert report["steps"] == 2 and report["num_prompts"] == 1
+    assert set(report["prompt_lookup"]) == {"tau_t0", "tau_t1"}
+    assert [r["name"] for r in report["variants"]] == ["baseline", "dpace_lk"]
+    for row in report["variants"]:
+        assert row["steps"] == 2 and row["train_s"] > 0 and row["tok_s"] > 0
+        assert 1 <= row["tau_t0"] <= 16 and 1 <= row["tau_t1"] <= 16
+        assert row["greedy_mismatches"] == 0  # float32 on the CPU: DFlash and prompt lookup are both the target's
+        saved = json.loads((tmp_path / "runs" / row["name"] / "config.json").read_text())
+        assert saved["train"]["max_steps"] == 2 and saved["data"]["eval_prompts"] is None
+    saved = json.loads((tmp_path / "runs" / "dpace_lk" / "config.json").read_text())
+    assert (saved["recipe"]["loss_weighting"], saved["recipe"]["loss"]) == ("dpace", "lk")
+    baseline = json.loads((tmp_path / "runs" / "baseline" / "config.json").read_text())
+    assert (baseline["recipe"]["loss_weighting"], baseline["recipe"]["loss"]) == ("exp", "ce")
+    table = (tmp_path / "sweep.md").read_text()
+    assert "| baseline |" in table and "| dpace_lk |" in table and "× prompt lookup" in table
+    assert table in capsys.readouterr().out
+    if PLOT:
+        assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "sweep.md").unlink()
+    assert sweep.main(["--out", str(tmp_path), "--redraw"]) == 0  # from sweep.json alone
+    assert (tmp_path / "sweep.md").read_text() == table
+
+
+def test_a_failing_variant_is_reported_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    sweep = load_sweep()
+    trained = []
+
+    def train_variant(cfg):
+        trained.append(cfg.recipe.loss)
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(sweep, "train_variant", train_variant)
+    assert sweep.main([*TINY, "--out", str(tmp_path), "--variants", "lk,gamma4"]) == 1
+    rows = json.loads((tmp_path / "sweep.json").read_text())["variants"]
+    assert trained == ["lk", "ce"] and all("out of memory" in r["failed"] for r in rows)
+    assert (
+        "| gamma4 | – | – | – | – | – | – | failed: RuntimeError: CUDA out of memory"
+        in (tmp_path / "sweep.md").read_text()
+    )
+
+
+def test_deadline_skips_and_bad_variants_stop(tmp_path):
+    sweep = load_sweep()
+    assert sweep.main([*TINY, "--out", str(tmp_path), "--variants", "lk", "--deadline-s", "0"]) == 0
+    (row,) = json.loads((tmp_path / "sweep.json").read_text())["variants"]
+    assert "tau_t0" not in row and "deadline" in row["skipped"]
+    assert not (tmp_path / "runs").exists()
+    assert "| lk | – |" in (tmp_path / "sweep.md").read_text()
+    with pytest.raises(SystemExit):
+        sweep.main([*TINY, "--out", str(tmp_path), "--variants", "baseline,bogus"])

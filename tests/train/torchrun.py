@@ -1,0 +1,40 @@
+"""Running flashdraft under torchrun in tests: 2 processes with gloo on the CPU, a short run of the bundled default."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# 4 steps, a checkpoint every 2; no measured τ (decoding is rank 0's alone and tested elsewhere).
+RUN = [
+    "train.max_steps=4",
+    "log.every=1",
+    "log.checkpoint_every=2",
+    "data.eval_prompts=null",
+    "train.batch_size=2",
+    "train.device=cpu",
+]  # gloo on the CPU even where a GPU is visible (2 ranks cannot share one with NCCL)
+
+
+def run_env(extra_path: Path | None = None) -> dict:
+    paths = [str(ROOT)] + ([str(extra_path)] if extra_path else [])
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def torchrun(args: list[str], nproc: int = 2, env: dict | None = None, timeout: int = 300):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "flashdraft",
+        *args,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or run_env())
