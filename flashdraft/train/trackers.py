@@ -10,6 +10,7 @@ that is installed but fails to start or to log (no login, no network) is dropped
 
 from __future__ import annotations
 
+import abc
 import importlib.util
 import json
 import logging
@@ -41,14 +42,16 @@ def _installed(package: str) -> bool:
         return False
 
 
-class Tracker:
+class Tracker(abc.ABC):
+    """One optional experiment tracker: each logged step's scalars, then close."""
+
     name = ""
 
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def log(self, step: int, scalars: dict[str, float]) -> None: ...
 
-    def close(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def close(self) -> None: ...
 
 
 class _TensorBoard(Tracker):
