@@ -61,6 +61,11 @@ def exact_delta_rule(
     return out.transpose(1, 2), (s if output_final_state else None)
 
 
+# Marked as one of flashdraft's own backends, so that `fastpath.ensure` (which every decoding entry point calls)
+# leaves it in place instead of patching the layer back to the float32 torch fallback.
+exact_delta_rule.__flashdraft_backend__ = True
+
+
 def tiny_target(family: str, dtype=torch.float64, seed: int = 0, **kwargs):
     """A tiny random target; MoE families use the eager experts (grouped_mm has no float64)."""
     target = build_tiny_target(family, dtype=dtype, seed=seed, **kwargs)
