@@ -191,6 +191,21 @@ def choose_backend(requested: str, device: torch.device) -> str:
     return requested
 
 
+# Jobs are sorted by prompt length only within runs of this many batches: batches of similar lengths waste less on
+# left padding, and a regeneration stopped early still holds a sample of the whole file in its order (a global sort
+# would keep only its shortest prompts).
+SORTED_RUN_BATCHES = 16
+
+
+def _length_sorted_runs(jobs: list, texts: dict[int, str], batch_size: int) -> list:
+    """`jobs` in file order, each run of SORTED_RUN_BATCHES batches sorted by prompt length (rows keep `_index`)."""
+    run = SORTED_RUN_BATCHES * batch_size
+    ordered = []
+    for start in range(0, len(jobs), run):
+        ordered += sorted(jobs[start : start + run], key=lambda j: len(texts[j.index]))
+    return ordered
+
+
 def regenerate(
     target,
     tokenizer,
@@ -227,8 +242,7 @@ def regenerate(
     counts = {"read": len(jobs) + len(done), "written": 0, "already_done": len(done), "seconds": 0.0}
     texts = {j.index: _render(j, tokenizer) for j in jobs}
     if isinstance(generate, HFGenerator):
-        # Batches of similar prompt lengths waste less on left padding; rows keep their record's `_index`.
-        jobs.sort(key=lambda j: len(texts[j.index]))
+        jobs = _length_sorted_runs(jobs, texts, batch_size)
     started = time.perf_counter()
     with open(out, "a") as fh, Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("regenerate", total=len(jobs))

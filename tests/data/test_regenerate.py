@@ -6,7 +6,7 @@ import pytest
 
 from flashdraft import bundled
 from flashdraft.data import DataError
-from flashdraft.data.regenerate import regenerate
+from flashdraft.data.regenerate import SORTED_RUN_BATCHES, _length_sorted_runs, regenerate
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,27 @@ def test_output_shapes_and_batching(tmp_path, target_and_tokenizer):
     # Greedy and left-padded batches give what one-at-a-time generation gives.
     regenerate(target, tok, [str(src)], tmp_path / "one.jsonl", max_new_tokens=6, batch_size=1, progress=False)
     assert sorted(_read(tmp_path / "one.jsonl"), key=lambda r: r["_index"]) == rows
+
+
+def test_a_regeneration_cut_short_keeps_a_sample_of_the_file_not_its_shortest_prompts():
+    """Lengths are sorted within runs of batches only: the first N rows written are the file's first N records."""
+    import random
+    from types import SimpleNamespace
+
+    rng = random.Random(0)
+    batch, count = 3, 5 * SORTED_RUN_BATCHES * 3 + 7  # five whole runs and a partial one
+    jobs = [SimpleNamespace(index=i) for i in range(count)]
+    texts = {i: "x" * rng.randrange(1, 500) for i in range(count)}
+    ordered = _length_sorted_runs(jobs, texts, batch)
+    run = SORTED_RUN_BATCHES * batch
+    assert sorted(j.index for j in ordered) == list(range(count))
+    for start in range(0, count, run):
+        chunk = ordered[start : start + run]
+        assert {j.index for j in chunk} == set(range(start, min(start + run, count)))
+        lengths = [len(texts[j.index]) for j in chunk]
+        assert lengths == sorted(lengths)
+    # A global sort would have put the shortest prompts of the whole file first.
+    assert [j.index for j in ordered[:run]] != [j.index for j in sorted(jobs, key=lambda j: len(texts[j.index]))[:run]]
 
 
 def test_resume_skips_done_records_and_drops_a_torn_line(tmp_path, target_and_tokenizer):

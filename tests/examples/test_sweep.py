@@ -101,3 +101,12 @@ def test_deadline_skips_and_bad_variants_stop(tmp_path):
     assert "| lk | – |" in (tmp_path / "sweep.md").read_text()
     with pytest.raises(SystemExit):
         sweep.main([*TINY, "--out", str(tmp_path), "--variants", "baseline,bogus"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU with FP8 the variant trains")
+def test_the_fp8_variant_without_an_fp8_gpu_is_a_reported_failure(tmp_path):
+    sweep = load_sweep()
+    assert sweep.main([*TINY, "--out", str(tmp_path), "--variants", "fp8,baseline"]) == 1
+    fp8, baseline = json.loads((tmp_path / "sweep.json").read_text())["variants"]
+    assert "target.precision" in fp8["failed"] and "tau_t0" not in fp8
+    assert baseline["steps"] == 2 and "tau_t0" in baseline
