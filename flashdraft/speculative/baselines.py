@@ -114,6 +114,33 @@ class MTPProposer:
         return torch.stack(drafts), (torch.stack(probs) if probs else None)
 
 
+def _decode(
+    target,
+    input_ids,
+    max_new_tokens,
+    on_engine: bool,
+    engine_kwargs: dict,
+    plain_proposer,
+    num_drafts: int,
+    max_deferred: int | None,
+    **sampling,
+) -> GenerationResult:
+    """One decode on the engine (with `engine_kwargs`) or the plain loop (with `plain_proposer()`, built only there).
+
+    sampling: temperature, top_p, top_k, stop_token_ids and generator, which both take alike."""
+    if on_engine:
+        return engine_decode(target, input_ids, max_new_tokens, **engine_kwargs, **sampling)
+    return speculative_decode(
+        target,
+        input_ids,
+        plain_proposer(),
+        max_new_tokens,
+        num_drafts=num_drafts,
+        max_deferred=max_deferred,
+        **sampling,
+    )
+
+
 def autoregressive_generate(
     target: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -129,29 +156,10 @@ def autoregressive_generate(
 
     engine: as in `generate` (by default the engine's captured decode step on a CUDA target it supports).
     """
-    if use_engine(target, engine):
-        return engine_decode(
-            target,
-            input_ids,
-            max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop_token_ids=stop_token_ids,
-            generator=generator,
-        )
-    return speculative_decode(
-        target,
-        input_ids,
-        None,
-        max_new_tokens,
-        num_drafts=0,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        stop_token_ids=stop_token_ids,
-        generator=generator,
+    sampling = dict(
+        temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator
     )
+    return _decode(target, input_ids, max_new_tokens, use_engine(target, engine), {}, lambda: None, 0, None, **sampling)
 
 
 def prompt_lookup_generate(
@@ -176,31 +184,20 @@ def prompt_lookup_generate(
     num_draft = block_size - 1 if num_draft is None else num_draft
     if num_draft < 0:
         raise ValueError(f"num_draft must be >= 0, got {num_draft}")
-    if use_engine(target, engine):
-        return engine_decode(
-            target,
-            input_ids,
-            max_new_tokens,
-            lookup=PromptLookupProposer(ngram_max),
-            block_size=num_draft + 1,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop_token_ids=stop_token_ids,
-            generator=generator,
-        )
-    return speculative_decode(
+    sampling = dict(
+        temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator
+    )
+    on_engine = dict(lookup=PromptLookupProposer(ngram_max), block_size=num_draft + 1)
+    return _decode(
         target,
         input_ids,
-        PromptLookupProposer(ngram_max),
         max_new_tokens,
-        num_drafts=num_draft,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        stop_token_ids=stop_token_ids,
-        generator=generator,
-        max_deferred=max_deferred,
+        use_engine(target, engine),
+        on_engine,
+        lambda: PromptLookupProposer(ngram_max),
+        num_draft,
+        max_deferred,
+        **sampling,
     )
 
 
@@ -227,30 +224,18 @@ def mtp_generate(
     """
     if num_drafts < 1:
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
-    if use_engine(target, engine, head):
-        return engine_decode(
-            target,
-            input_ids,
-            max_new_tokens,
-            mtp=head,
-            num_drafts=num_drafts,
-            block_size=max(block_size, num_drafts + 1),
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop_token_ids=stop_token_ids,
-            generator=generator,
-        )
-    return speculative_decode(
+    sampling = dict(
+        temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator
+    )
+    on_engine = dict(mtp=head, num_drafts=num_drafts, block_size=max(block_size, num_drafts + 1))
+    return _decode(
         target,
         input_ids,
-        MTPProposer(head, target, temperature, top_p, top_k, generator),
         max_new_tokens,
-        num_drafts=num_drafts,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        stop_token_ids=stop_token_ids,
-        generator=generator,
-        max_deferred=max_deferred,
+        use_engine(target, engine, head),
+        on_engine,
+        lambda: MTPProposer(head, target, temperature, top_p, top_k, generator),
+        num_drafts,
+        max_deferred,
+        **sampling,
     )
