@@ -37,6 +37,7 @@ from flashdraft.data.formats import FormatConfig
 from flashdraft.data.shards import FORMAT_VERSION, ShardWriter, read_meta
 from flashdraft.data.sources import SourceFile, iter_records, resolve_sources
 from flashdraft.io import lock
+from flashdraft.io.atomic import leftovers_beside, remove_leftovers_beside
 from flashdraft.io.space import room_for
 
 OVERLONG = ("truncate", "drop")
@@ -204,9 +205,11 @@ def prepare_shards(cfg: PrepareConfig, *, tokenizer=None, console=None) -> Prepa
     hashes = input_hashes(files, tok_hash, cfg)
     out = Path(cfg.out)
     meta = _reuse(out, hashes, cfg)
-    if meta is not None:
+    if meta is not None and not leftovers_beside(out):
         return PrepareResult(out, meta["counts"], reused=True)
     with lock.hold(out, "prepare", beside=True):
+        # Every writer of `out` holds this lock: a temporary or set-aside copy beside it is a killed writer's.
+        remove_leftovers_beside(out)
         # Another run may have written the same shards while this one was reading its inputs.
         meta = None if cfg.force else _reuse(out, hashes, cfg)
         if meta is not None:

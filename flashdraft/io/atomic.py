@@ -117,6 +117,29 @@ def temporary_directory_beside(path: str | os.PathLike, prefix: str | None = Non
     return Path(tempfile.mkdtemp(prefix=prefix if prefix is not None else f".{path.name}.tmp-", dir=path.parent))
 
 
+def leftovers_beside(path: str | os.PathLike) -> list[Path]:
+    """What a kill between the steps of `temporary_directory_beside` / `replace_directory` leaves beside `path`:
+    its `.NAME.tmp-*` and `.NAME.old-*` entries."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    names = (f".{path.name}.tmp-", f".{path.name}.old-")
+    return sorted(p for p in path.parent.iterdir() if p.name.startswith(names))
+
+
+def remove_leftovers_beside(path: str | os.PathLike) -> list[Path]:
+    """Remove `leftovers_beside(path)`; returns what was removed. Only for a caller holding the lock that every
+    writer of `path` takes, so that none of them is another writer's work in progress."""
+    removed = leftovers_beside(path)
+    for entry in removed:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike, *, fsync: bool = False) -> Iterator[Path]:
     """Yield a temporary directory beside `path`; on success it replaces `path` by a rename.

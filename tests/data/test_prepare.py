@@ -242,6 +242,28 @@ def test_interrupted_write_leaves_no_partial_output(tmp_path, tokenizer, write_j
     assert len(TokenizedDataset(out)) == 10 and leftovers(tmp_path) == []  # the old shards are intact
 
 
+def test_what_a_killed_writer_left_beside_the_shards_is_removed_by_the_next_run(tmp_path, tokenizer, write_jsonl):
+    """kill -9 during a write leaves `.out.tmp-*` (GBs of half-written shards) or, during the swap, `.out.old-*`;
+    the next prepare of the same shards (which holds their lock) removes both, whether it reuses or rewrites."""
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": f"sample {i}"} for i in range(6)])
+    out = tmp_path / "out"
+    cfg = PrepareConfig(data=[src], tokenizer="-", out=str(out), progress=False)
+
+    def litter():
+        for name in (".out.tmp-killed", ".out.old-killed"):
+            (tmp_path / name).mkdir()
+            (tmp_path / name / INPUT_IDS).write_bytes(b"\0" * 64)
+        (tmp_path / ".other.tmp-keep").mkdir()  # another path's: not ours to remove
+
+    litter()
+    assert not prepare_shards(cfg, tokenizer=tokenizer).reused
+    assert leftovers(tmp_path) == [".other.tmp-keep"]
+    (tmp_path / ".other.tmp-keep").rmdir()
+    litter()
+    assert prepare_shards(cfg, tokenizer=tokenizer).reused
+    assert leftovers(tmp_path) == [".other.tmp-keep"] and len(TokenizedDataset(out)) == 6
+
+
 def test_workers_give_identical_shards(tmp_path, tokenizer, write_jsonl, make_chat):
     bad_late = {"messages": [{"role": "narrator", "content": "x"}]}
     records = [make_chat(("user", f"Q{i}"), ("assistant", f"A{i} " * (i % 7))) for i in range(40)]
