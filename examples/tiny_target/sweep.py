@@ -36,6 +36,14 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "stratified": ("anchors stratified over the response", ["recipe.anchor_sampling=stratified"]),
     "layers5": ("5 drafter layers", ["drafter.num_layers=5"]),
     "spread": ("target layers 1, 3, 5, 6, 7", ["drafter.target_layer_ids=[1, 3, 5, 6, 7]"]),
+    # Every layer causal in the block with a window over the context (one rule for all layers, as training needs).
+    "window128": (
+        "sliding-window layers, 128 tokens",
+        [
+            "drafter.overrides.layer_types=[sliding_attention, sliding_attention, sliding_attention]",
+            "drafter.overrides.sliding_window=128",
+        ],
+    ),
     # Trained on FP8 features, decoded against the bf16 target like every variant (a GPU with FP8: sm89+).
     "fp8": ("the target's linear layers in FP8 while training", ["target.precision=fp8"]),
 }
