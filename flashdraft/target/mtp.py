@@ -84,17 +84,21 @@ class MTPHead(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         position_ids: torch.Tensor,
         cache: DynamicCache | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`(B, T, D)` token embeddings (of tokens p + 1) and hidden states (at p) -> `(B, T, D)` normed outputs.
 
         position_embeddings: the target's rotary embedding of `position_ids` (`(B, T)`, the positions p). With a
-        `cache`, the new keys and values are appended to it and the queries also attend to what it holds."""
+        `cache`, the new keys and values are appended to it and the queries also attend to what it holds.
+        attention_mask: a boolean `(1, 1, T, T + cached)` mask instead of the causal one (`chained` training)."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
         past = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is None:
+            attention_mask = _causal_mask(x.shape[1], past, x.device)
         x = self.layers[0](
             x,
             position_embeddings=position_embeddings,
-            attention_mask=_causal_mask(x.shape[1], past, x.device),
+            attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=cache is not None,
             **{self._cache_keyword: cache},
@@ -128,6 +132,49 @@ def teacher_forced(head: MTPHead, target: nn.Module, input_ids: torch.Tensor, hi
     positions = torch.arange(input_ids.shape[1] - 1, device=input_ids.device)[None].expand(input_ids.shape[0], -1)
     rotary = target.get_decoder().rotary_emb(embeds, positions)
     return head(embeds, hidden[:, :-1], rotary, positions)
+
+
+def chained(
+    head: MTPHead, target: nn.Module, input_ids: torch.Tensor, hidden: torch.Tensor, steps: int
+) -> list[torch.Tensor]:
+    """The MTP layer over whole sequences as serving chains it, `steps` drafts deep: `(B, T, D)` outputs per step.
+
+    Step k (1-based) at anchor i reads the embedding of token i + k and, for k > 1, the layer's own step-(k - 1)
+    output at i (for k = 1, the target's hidden state at i), sits at position i + k - 1, and attends to what the
+    serving cache holds then: step 1's entries of positions 0 .. i and this chain's own entries of steps 2 .. k.
+    Its logits predict token i + k + 1. Anchors are 0 .. T - steps - 2, so every step has a label; the tokens read
+    at steps > 1 are the sequence's own (teacher forcing: a later draft only counts if the ones before it were
+    right). Step 1 is `teacher_forced` on the first T - steps - 1 positions.
+    """
+    batch, length = input_ids.shape
+    n = length - steps - 1
+    if n < 1:
+        raise ValueError(f"chained: sequences of {length} tokens are too short for {steps} steps")
+    device = input_ids.device
+    embed, rotary = target.get_input_embeddings(), target.get_decoder().rotary_emb
+    anchors = torch.arange(n, device=device)
+    inputs, positions, outputs = [], [], []
+    for k in range(1, steps + 1):
+        inputs.append(embed(input_ids[:, k : k + n]))
+        positions.append(anchors + (k - 1))
+        embeds = torch.cat(inputs, dim=1)
+        previous = [hidden[:, :n]] + outputs  # step k reads step k - 1's output at the same anchor
+        pos = torch.cat(positions)[None].expand(batch, -1)
+        out = head(
+            embeds, torch.cat(previous, dim=1), rotary(embeds, pos), pos, attention_mask=_chain_mask(n, k, device)
+        )
+        outputs.append(out[:, -n:])
+    return outputs
+
+
+def _chain_mask(n: int, steps: int, device: torch.device) -> torch.Tensor:
+    """Entries (step s, anchor i), s-major: step 1 is causal over its anchors; (s > 1, i) sees step 1's anchors
+    0 .. i and its own chain's entries of steps 2 .. s."""
+    step = torch.arange(steps, device=device).repeat_interleave(n)
+    anchor = torch.arange(n, device=device).repeat(steps)
+    first = (step[None, :] == 0) & (anchor[None, :] <= anchor[:, None])
+    same_chain = (step[None, :] > 0) & (step[None, :] <= step[:, None]) & (anchor[None, :] == anchor[:, None])
+    return (first | same_chain)[None, None]
 
 
 def _read_json(path: Path) -> dict:

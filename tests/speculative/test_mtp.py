@@ -12,7 +12,7 @@ import torch
 
 from flashdraft.speculative import rollback
 from flashdraft.speculative.baselines import MTPProposer, mtp_generate
-from flashdraft.target.mtp import MTPHead, load_mtp, teacher_forced
+from flashdraft.target.mtp import MTPHead, chained, load_mtp, teacher_forced
 
 from . import one_thread, ready, reference_greedy, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 from .test_mtp_checkpoint import save_released_layout
@@ -104,6 +104,34 @@ def test_drafts_equal_a_recomputation_without_cache(setup, monkeypatch):
         for tokens, drafts in rounds:
             assert drafts == _drafts_from_scratch(target, head, tokens, len(drafts))
     assert len(rounds) > 8
+
+
+@torch.inference_mode()
+def test_chained_training_forward_is_what_serving_computes_entry_by_entry(setup):
+    """`chained` (every anchor and step in one pass, as trained) equals the chain that serving builds from the same
+    tokens, for every anchor and step: the layer over the target's states up to the anchor, then its own outputs."""
+    target, head, cases = setup
+    sequences = torch.cat([torch.cat([p[0], torch.tensor(out)])[None] for p, out in cases[:2]])
+    steps = 3
+    hidden = target(sequences, output_hidden_states=True).hidden_states[-1]
+    outputs = chained(head, target, sequences, hidden, steps)
+    n = sequences.shape[1] - steps - 1
+    assert [o.shape for o in outputs] == [(2, n, hidden.shape[-1])] * steps
+    first = teacher_forced(head, target, sequences, hidden)[:, :n]
+    assert torch.allclose(outputs[0], first, rtol=0, atol=1e-12)
+    embed, rotary = target.get_input_embeddings(), target.get_decoder().rotary_emb
+    for b in range(2):
+        for i in range(n):
+            inputs, states = sequences[b, 1 : i + 2], hidden[b : b + 1, : i + 1]
+            for k in range(1, steps + 1):
+                positions = torch.arange(inputs.shape[0])[None]
+                embeds = embed(inputs[None])
+                out = head(embeds, states, rotary(embeds, positions), positions)[:, -1:]
+                assert torch.allclose(out[0, 0], outputs[k - 1][b, i], rtol=0, atol=1e-10), (b, i, k)
+                inputs = torch.cat([inputs, sequences[b, i + k + 1 : i + k + 2]])  # the next token, teacher-forced
+                states = torch.cat([states, out], dim=1)
+    with pytest.raises(ValueError, match="too short for 3 steps"):
+        chained(head, target, sequences[:, :4], hidden[:, :4], steps)
 
 
 def test_a_wrong_head_is_caught_by_verification_not_by_the_output(setup):
