@@ -36,6 +36,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "stratified": ("anchors stratified over the response", ["recipe.anchor_sampling=stratified"]),
     "layers5": ("5 drafter layers", ["drafter.num_layers=5"]),
     "spread": ("target layers 1, 3, 5, 6, 7", ["drafter.target_layer_ids=[1, 3, 5, 6, 7]"]),
+    "late": ("target layers 3-7 (the last five)", ["drafter.target_layer_ids=[3, 4, 5, 6, 7]"]),
     # Every layer causal in the block with a window over the context (one rule for all layers, as training needs).
     "window128": (
         "sliding-window layers, 128 tokens",
