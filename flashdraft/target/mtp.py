@@ -137,14 +137,15 @@ def teacher_forced(head: MTPHead, target: nn.Module, input_ids: torch.Tensor, hi
 def chained(
     head: MTPHead, target: nn.Module, input_ids: torch.Tensor, hidden: torch.Tensor, steps: int
 ) -> list[torch.Tensor]:
-    """The MTP layer over whole sequences as serving chains it, `steps` drafts deep: `(B, T, D)` outputs per step.
+    """The MTP layer over whole sequences as serving chains it, `steps` drafts deep: per step, `(B, n, D)` outputs
+    at anchors 0 .. n - 1, n = T - steps - 1.
 
     Step k (1-based) at anchor i reads the embedding of token i + k and, for k > 1, the layer's own step-(k - 1)
     output at i (for k = 1, the target's hidden state at i), sits at position i + k - 1, and attends to what the
     serving cache holds then: step 1's entries of positions 0 .. i and this chain's own entries of steps 2 .. k.
-    Its logits predict token i + k + 1. Anchors are 0 .. T - steps - 2, so every step has a label; the tokens read
-    at steps > 1 are the sequence's own (teacher forcing: a later draft only counts if the ones before it were
-    right). Step 1 is `teacher_forced` on the first T - steps - 1 positions.
+    Its logits predict token i + k + 1, which exists for every step at these anchors. The tokens read at steps > 1
+    are the sequence's own (teacher forcing: a later draft only counts if the ones before it were right). Step 1 is
+    `teacher_forced` on the first n positions.
     """
     batch, length = input_ids.shape
     n = length - steps - 1
