@@ -6,9 +6,9 @@
 The head is what Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoints ship (flashdraft.target.mtp): one decoder layer of the
 target's own kind over fc([norm(embedding of token t + 1); norm(the target's final hidden state at t)]), then a
 norm and the target's LM head (shared, not trained), trained with the target frozen. Serving chains the layer:
-its second and later drafts read its own previous output instead of the target's hidden state. Qwen describe
-training their MTP for that multi-step use, and FastMTP (Cai et al. 2025) trains one shared layer applied
-recursively; so does this script (`--chain`, default 3 = `flashdraft eval --mtp-drafts`): the loss is a weighted
+its second and later drafts read its own previous output instead of the target's hidden state. Qwen (the
+Qwen3-Next release) describe training their MTP for that multi-step use, and FastMTP (Cai et al. 2025) trains one
+shared layer applied recursively; so does this script (`--chain`, default 3 = `flashdraft eval --mtp-drafts`): the loss is a weighted
 sum over steps k = 1 .. K of the cross-entropy of step k's logits at t against token t + k + 1, weights
 `--chain-decay`^(k-1) (a later draft only counts when the earlier ones were accepted), computed for every anchor
 at once by `flashdraft.target.mtp.chained`, which attends as the serving cache does. `--chain 1` is the one-step
