@@ -39,7 +39,7 @@ from flashdraft.drafter import select_context_features
 from flashdraft.speculative import rollback
 from flashdraft.speculative.engine import session as engine_session
 from flashdraft.speculative.result import GenerationResult
-from flashdraft.speculative.sampling import next_token, rejection_sample, sample, sampling_probs, validate_sampling
+from flashdraft.speculative.sampling import next_token, rejection_sample, sample, sampling_probs, validate_request
 from flashdraft.versions import cache_kwargs
 
 
@@ -144,13 +144,7 @@ def speculative_decode(
     the next verification (default 4 x (num_drafts + 1)); beyond it they are committed by a forward of their
     own, so a long run of partial acceptances cannot make verifications ever wider.
     """
-    validate_sampling(temperature, top_p, top_k)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if input_ids.dim() == 2 and input_ids.shape[0] != 1:
-        raise ValueError(f"speculative decoding runs batch 1; got input_ids of shape {tuple(input_ids.shape)}")
-    if input_ids.numel() == 0:
-        raise ValueError("input_ids is empty: the prompt needs at least one token")
+    validate_request(input_ids, max_new_tokens, temperature, top_p, top_k)
     fastpath.ensure(target)  # a user's hybrid target runs its linear-attention layers with device-aware kernels
     device = next(target.parameters()).device
     prompt = input_ids.reshape(-1).to(device)

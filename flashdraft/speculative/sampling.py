@@ -21,6 +21,17 @@ def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
 
 
+def validate_request(input_ids: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float, top_k: int):
+    """What both decoding loops (the plain one and the engine) accept: one non-empty prompt, sane settings."""
+    validate_sampling(temperature, top_p, top_k)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding runs batch 1; got input_ids of shape {tuple(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise ValueError("input_ids is empty: the prompt needs at least one token")
+
+
 def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
     """The distribution sampled at `temperature` > 0 after top-k and top-p filtering: `[..., V]` -> `[..., V]`.
 

@@ -235,11 +235,18 @@ def test_prompt_lookup_proposals():
     assert propose(torch.tensor([1, 2, 3]), 4)[0] is None
 
 
-def test_bad_inputs(setup):
+@pytest.mark.parametrize("engine", [False, True])
+def test_bad_inputs(setup, engine):
+    """The plain loop and the engine refuse the same requests with the same messages."""
     target, drafter, _ = setup
+    ids = torch.zeros(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="batch 1"):
-        generate(target, drafter, torch.zeros(2, 3, dtype=torch.long), 4)
+        generate(target, drafter, torch.zeros(2, 3, dtype=torch.long), 4, engine=engine)
     with pytest.raises(ValueError, match="empty"):
-        generate(target, drafter, torch.zeros(1, 0, dtype=torch.long), 4)
+        generate(target, drafter, torch.zeros(1, 0, dtype=torch.long), 4, engine=engine)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        generate(target, drafter, ids, -1, engine=engine)
     with pytest.raises(ValueError, match="temperature"):
-        generate(target, drafter, torch.zeros(1, 3, dtype=torch.long), 4, temperature=-1.0)
+        generate(target, drafter, ids, 4, temperature=-1.0, engine=engine)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(target, drafter, ids, 4, temperature=1.0, top_p=0.0, engine=engine)

@@ -34,7 +34,7 @@ from flashdraft.speculative.sampling import (
     rejection_sample_tensors,
     sample,
     sampling_probs,
-    validate_sampling,
+    validate_request,
 )
 
 # Context lengths are rounded up to this many tokens, so that nearby prompt lengths reuse one engine.
@@ -196,13 +196,7 @@ def engine_decode(
     """Decode `input_ids` (batch 1) with a DFlash `drafter`, a prompt-`lookup` proposer, the target's `mtp` head
     (`flashdraft.target.mtp.MTPHead`: `num_drafts` chained drafts per round, default 3, verified in blocks of
     `block_size`), or none of them (one token per step). graphs: CUDA graphs (default: on a CUDA target)."""
-    validate_sampling(temperature, top_p, top_k)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if input_ids.dim() == 2 and input_ids.shape[0] != 1:
-        raise ValueError(f"speculative decoding runs batch 1; got input_ids of shape {tuple(input_ids.shape)}")
-    if input_ids.numel() == 0:
-        raise ValueError("input_ids is empty: the prompt needs at least one token")
+    validate_request(input_ids, max_new_tokens, temperature, top_p, top_k)
     if sum(x is not None for x in (drafter, lookup, mtp)) > 1:
         raise ValueError("give one of a drafter, a lookup proposer and an MTP head")
     # The engine runs its own device-aware kernels; the target's own forward (which callers may run next) gets them.
