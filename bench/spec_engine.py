@@ -37,6 +37,22 @@ BLOCK = 16
 ROUNDS = 8  # rounds per timed call of the round measurement
 
 
+def run_header(smoke: bool, layers: int, graphs: bool) -> dict:
+    """What every engine benchmark's JSON starts with: when, on what, with which releases, at which shape."""
+    import transformers
+
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "smoke": smoke,
+        "target_layers": 8 if smoke else layers,
+        "block_size": BLOCK,
+        "graphs": graphs,
+    }
+
+
 def timed_ms(fn, iters: int, warmup: int = 2) -> float:
     """Median ms of `fn()` (CUDA events, synchronised per call; perf_counter on a CPU)."""
     if torch.cuda.is_available():
@@ -333,18 +349,7 @@ def main() -> None:
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     g = torch.Generator().manual_seed(1)
     vocab = target.config.vocab_size
-    report = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "target_layers": 8 if a.smoke else a.layers,
-        "block_size": BLOCK,
-        "graphs": graphs,
-        "contexts": {},
-    }
-    import transformers
-
-    report["transformers"] = transformers.__version__
+    report = {**run_header(a.smoke, a.layers, graphs), "contexts": {}}
     for ctx in contexts:
         ids = torch.randint(0, vocab, (1, ctx), generator=g).to(device)
         row = {"hf": hf_anchor(target, ids, iters)}

@@ -20,15 +20,13 @@ Run (a GPU, from the repository root):  python -m bench.spec_engine_mtp --json O
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 
-from bench.spec_engine import BLOCK, ROUNDS, build, engine_numbers, timed_ms
+from bench.spec_engine import BLOCK, ROUNDS, build, engine_numbers, run_header, timed_ms
 
 GREEDY_PROMPT, GREEDY_TOKENS = 64, 48
 
@@ -130,7 +128,6 @@ def main() -> None:
     iters = a.iters or (3 if a.smoke else 10)
     graphs = not a.smoke
     t0 = time.perf_counter()
-    import transformers
 
     from flashdraft import fastpath
     from flashdraft.speculative.engine import session
@@ -141,18 +138,7 @@ def main() -> None:
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     g = torch.Generator().manual_seed(1)
     vocab = target.config.vocab_size
-    report = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "smoke": a.smoke,
-        "target_layers": 8 if a.smoke else a.layers,
-        "block_size": BLOCK,
-        "mtp_drafts": a.mtp_drafts,
-        "graphs": graphs,
-        "timings": {},
-    }
+    report = {**run_header(a.smoke, a.layers, graphs), "mtp_drafts": a.mtp_drafts, "timings": {}}
     prompt = torch.randint(0, vocab, (1, GREEDY_PROMPT), generator=g).to(device)
     report["check"] = greedy_check(target, head, prompt, a.mtp_drafts)
     print("check", report["check"], flush=True)
