@@ -131,26 +131,13 @@ def test_mtp_on_the_engine_at_27b_width_equals_greedy_in_float32():
     """A 4-layer slice of a Qwen3.5-27B-shaped random target (hidden 5120, 248320-token vocabulary, gated attention
     with partial rotary, untied embeddings) with a random MTP layer of its shapes, in float32: MTP decoding on the
     engine with CUDA graphs equals the engine's greedy decoding and transformers' `generate`, token for token."""
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+    from transformers import AutoModelForCausalLM
 
+    from bench.target_forward import qwen35_27b_config
     from flashdraft import fastpath
 
-    config = Qwen3_5TextConfig(
-        vocab_size=248320,
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_hidden_layers=4,
-        num_attention_heads=24,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=48,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        tie_word_embeddings=False,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
-    )
+    config = qwen35_27b_config(4)
+    config.tie_word_embeddings = False
     torch.manual_seed(0)
     with torch.device("cuda"):
         target = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
