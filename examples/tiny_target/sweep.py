@@ -9,7 +9,9 @@ then decoded on the same held-out prompts (default: the package's 64, `flashdraf
 T=1, block 16; prompt lookup decodes the same prompts with the same settings once per temperature, at the start.
 Writes to --out: sweep.json (after every variant, so a cut-short sweep keeps what it measured), sweep.md (the
 table) and sweep.png (a bar chart; needs matplotlib). `--deadline-s` skips the variants that would end after it;
-`--redraw` rewrites the table and the chart from --out's sweep.json (e.g. on a machine with matplotlib).
+`--redraw` rewrites the table and the chart from --out's sweep.json (e.g. on a machine with matplotlib);
+`--merge DIR ...` joins the sweep.json of several runs (a sweep split over processes sharing one GPU, or over
+machines) into --out, after checking they measured alike (steps, prompts, settings, prompt lookup's τ).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="sampling seed at T=1 (prompt i: seed + i)")
     p.add_argument("--deadline-s", type=float, default=None, help="skip variants that would end later than this")
     p.add_argument("--redraw", action="store_true", help="only rewrite sweep.md and sweep.png from --out/sweep.json")
+    p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="DIR", help="join these runs' sweep.json")
     a = p.parse_args(argv)
     a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     unknown = [v for v in a.variants if v not in VARIANTS]
@@ -219,8 +222,9 @@ def table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    if a.redraw:
-        report = json.loads((a.out / "sweep.json").read_text())
+    if a.redraw or a.merge:
+        report = merge(a.merge) if a.merge else json.loads((a.out / "sweep.json").read_text())
+        a.out.mkdir(parents=True, exist_ok=True)
         write_report(a.out, report)
         print(table(report))
         return 0
@@ -277,6 +281,40 @@ def main(argv: list[str] | None = None) -> int:
     write_report(a.out, report)
     print(table(report))
     return 1 if any("failed" in r for r in report["variants"]) else 0
+
+
+# What two runs must share for their rows to sit in one table.
+SAME = ("steps", "num_prompts", "max_new_tokens", "block_size", "device", "common_overrides", "data")
+
+
+def merge(dirs: list[Path]) -> dict:
+    """One report from the sweep.json of several runs; SystemExit naming the run and field that differ."""
+    reports = []
+    for d in dirs:
+        path = d / "sweep.json"
+        try:
+            reports.append((path, json.loads(path.read_text())))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--merge: cannot read {path}: {exc}") from None
+    (first_path, merged), *rest = reports
+    merged = {**merged, "variants": list(merged["variants"]), "merged_from": [str(d) for d in dirs]}
+    for path, report in rest:
+        for key in SAME:
+            if report.get(key) != merged.get(key):
+                raise SystemExit(f"--merge: {path} has {key} = {report.get(key)!r}, {first_path} {merged.get(key)!r}")
+        # Greedy prompt lookup is deterministic: a different τ means different prompts, target or code.
+        if abs(report["prompt_lookup"]["tau_t0"] - merged["prompt_lookup"]["tau_t0"]) > 1e-9:
+            raise SystemExit(
+                f"--merge: prompt lookup's τ at T=0 is {report['prompt_lookup']['tau_t0']} in {path}, "
+                f"{merged['prompt_lookup']['tau_t0']} in {first_path}: not the same measurement"
+            )
+        names = {r["name"] for r in merged["variants"]}
+        twice = [r["name"] for r in report["variants"] if r["name"] in names]
+        if twice:
+            raise SystemExit(f"--merge: {path} measured {twice} again")
+        merged["variants"] += report["variants"]
+        merged["total_s"] = max(merged.get("total_s", 0.0), report.get("total_s", 0.0))
+    return merged
 
 
 def measure(a: argparse.Namespace, decoder: Decoder, name: str, row: dict, lookup_tokens: dict) -> None:

@@ -110,3 +110,27 @@ def test_the_fp8_variant_without_an_fp8_gpu_is_a_reported_failure(tmp_path):
     fp8, baseline = json.loads((tmp_path / "sweep.json").read_text())["variants"]
     assert "target.precision" in fp8["failed"] and "tau_t0" not in fp8
     assert baseline["steps"] == 2 and "tau_t0" in baseline
+
+
+def test_runs_split_over_processes_merge_into_one_table(tmp_path):
+    sweep = load_sweep()
+    skip = ["--deadline-s", "0"]  # prompt lookup is measured, the variants skipped: real reports, cheaply
+    assert sweep.main([*TINY, *skip, "--out", str(tmp_path / "a"), "--variants", "lk"]) == 0
+    assert sweep.main([*TINY, *skip, "--out", str(tmp_path / "b"), "--variants", "gamma4,dpace"]) == 0
+    assert sweep.main(["--out", str(tmp_path / "all"), "--merge", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    merged = json.loads((tmp_path / "all" / "sweep.json").read_text())
+    assert [r["name"] for r in merged["variants"]] == ["lk", "gamma4", "dpace"]
+    a = json.loads((tmp_path / "a" / "sweep.json").read_text())
+    assert merged["prompt_lookup"] == a["prompt_lookup"]
+    table = (tmp_path / "all" / "sweep.md").read_text()
+    assert all(f"| {name} | – |" in table for name in ("lk", "gamma4", "dpace"))
+
+    with pytest.raises(SystemExit, match="measured \\['lk'\\] again"):
+        sweep.main(["--out", str(tmp_path / "x"), "--merge", str(tmp_path / "a"), str(tmp_path / "a")])
+    other = [*TINY, *skip, "--out", str(tmp_path / "c"), "--variants", "late"]
+    other[other.index("--steps") + 1] = "3"
+    assert sweep.main(other) == 0
+    with pytest.raises(SystemExit, match="steps = 3"):
+        sweep.main(["--out", str(tmp_path / "x"), "--merge", str(tmp_path / "a"), str(tmp_path / "c")])
+    with pytest.raises(SystemExit, match="cannot read"):
+        sweep.main(["--out", str(tmp_path / "x"), "--merge", str(tmp_path / "a"), str(tmp_path / "missing")])
