@@ -204,6 +204,14 @@ def table(report: dict) -> str:
         f"{report['steps']} steps per variant; {report['num_prompts']} held-out prompts, {report['max_new_tokens']} "
         f"new tokens, block {report['block_size']}; prompt lookup τ {lookup['tau_t0']:.2f} (T=0), "
         f"{lookup['tau_t1']:.2f} (T=1).",
+        *(
+            [
+                f"Joined from {len(report['merged_from'])} runs: τ compares across them; training seconds and tokens/s "
+                "only within a run (runs sharing one device slow each other)."
+            ]
+            if report.get("merged_from")
+            else []
+        ),
         "",
         "| variant | τ T=0 | τ T=1 | × prompt lookup (T=0) | training s | tokens/s | final loss | what |",
         "|---|---|---|---|---|---|---|---|",

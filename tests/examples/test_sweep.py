@@ -124,6 +124,7 @@ def test_runs_split_over_processes_merge_into_one_table(tmp_path):
     assert merged["prompt_lookup"] == a["prompt_lookup"]
     table = (tmp_path / "all" / "sweep.md").read_text()
     assert all(f"| {name} | – |" in table for name in ("lk", "gamma4", "dpace"))
+    assert "Joined from 2 runs" in table
 
     with pytest.raises(SystemExit, match="measured \\['lk'\\] again"):
         sweep.main(["--out", str(tmp_path / "x"), "--merge", str(tmp_path / "a"), str(tmp_path / "a")])
