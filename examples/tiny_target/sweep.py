@@ -291,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any("failed" in r for r in report["variants"]) else 0
 
 
-# What two runs must share for their rows to sit in one table.
 PROMPT_LOOKUP_RTOL = 0.01
+# What two runs must share for their rows to sit in one table.
 SAME = ("steps", "num_prompts", "max_new_tokens", "block_size", "device", "common_overrides", "data")
 
 
