@@ -209,8 +209,13 @@ def run_flashdraft(target, d, seq, device, warmup, steps, overrides, label="flas
     cfg = flashdraft_config(d, seq, device, overrides)
     s = None
     try:
+        start = time.perf_counter()
         s = step_timing.bench_setup(cfg, target, steps=warmup + steps)
+        setup_s = time.perf_counter() - start
         result = step_timing.run_train_step(s, cfg, warmup=warmup, steps=steps)
+        # From the loaded target to the end of the first step: the drafter's build and compile, the first step's
+        # compiles and autotuning (cold only for the first variant of a shape in a new process).
+        result.update(setup_s=setup_s, first_step_after_s=setup_s + (result["warmup_steps_s"] or result["steps_s"])[0])
     except torch.cuda.OutOfMemoryError as exc:
         result = oom_row(label, seq, exc)
     free(s)

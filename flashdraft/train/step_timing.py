@@ -90,9 +90,10 @@ class PhaseTimer:
 
 
 def measure(step, device: torch.device, warmup: int, steps: int) -> dict:
-    """Run `step(mark)` warmup + steps times; medians of the timed steps, peak memory of the timed steps only."""
+    """Run `step(mark)` warmup + steps times; medians of the timed steps, peak memory of the timed steps only. The
+    warm-up steps' walls are kept too: in a new process the first one is what compiling and autotuning cost."""
     timer = PhaseTimer(device)
-    walls, phases = [], []
+    walls, phases, warmup_walls = [], [], []
     for i in range(warmup + steps):
         if i == warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -102,9 +103,12 @@ def measure(step, device: torch.device, warmup: int, steps: int) -> dict:
         if i >= warmup:
             walls.append(wall)
             phases.append(ms)
+        else:
+            warmup_walls.append(wall)
     return {
         "step_s": statistics.median(walls),
         "steps_s": walls,
+        "warmup_steps_s": warmup_walls,
         "phases_ms": {p: statistics.median(m.get(p, 0.0) for m in phases) for p in PHASES},
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
     }
@@ -175,16 +179,16 @@ def machine() -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    """One line per result: variant, seq, s/step, tok/s, MFU, peak, then the phase breakdown in ms."""
-    head = f"{'variant':22s} {'seq':>6s} {'s/step':>7s} {'tok/s':>8s} {'MFU':>6s} {'peak GiB':>8s}  " + "  ".join(
-        f"{p:>11s}" for p in PHASES
-    )
-    lines = [head]
+    """One line per result: variant, seq, s/step, tok/s, MFU, peak, seconds from the loaded target to the end of the
+    first step (where the row has it), then the phase breakdown in ms."""
+    head = f"{'variant':22s} {'seq':>6s} {'s/step':>7s} {'tok/s':>8s} {'MFU':>6s} {'peak GiB':>8s} {'1st step':>8s}  "
+    lines = [head + "  ".join(f"{p:>11s}" for p in PHASES)]
     for r in rows:
         mfu = f"{r['mfu'] * 100:5.1f}%" if r.get("mfu") is not None else "    -"
         peak = f"{r['peak_gib']:8.1f}" if r.get("peak_gib") is not None else "       -"
+        first = f"{r['first_step_after_s']:7.1f}s" if r.get("first_step_after_s") is not None else "       -"
         lines.append(
-            f"{r['variant']:22s} {r['seq']:6d} {r['step_s']:7.3f} {r['tok_s']:8.0f} {mfu:>6s} {peak}  "
+            f"{r['variant']:22s} {r['seq']:6d} {r['step_s']:7.3f} {r['tok_s']:8.0f} {mfu:>6s} {peak} {first}  "
             + "  ".join(f"{r['phases_ms'][p]:11.1f}" for p in PHASES)
         )
     return "\n".join(lines)

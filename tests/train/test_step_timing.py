@@ -34,6 +34,7 @@ def test_run_train_step_times_every_phase():
     assert result["labelled"] == 2 * 2 * 5 * (s.drafter.block_size - 1)  # every block position is a response token
     assert set(result["phases_ms"]) == set(step_timing.PHASES) and all(v > 0 for v in result["phases_ms"].values())
     assert len(result["steps_s"]) == 2 and result["step_s"] >= sum(result["phases_ms"].values()) / 1e3 * 0.5
+    assert len(result["warmup_steps_s"]) == 1 and result["warmup_steps_s"][0] > 0  # the untimed step, kept apart
     assert result["flops"] == step_flops(s, result["seq_tokens"], result["labelled"])
     assert result["mfu"] is None and result["peak_gib"] is None  # no CUDA: no peak rate or memory to report
 
