@@ -67,7 +67,7 @@ stage_command() {
   local name=$1 dir=$2
   case $name in
     first-step)
-      echo "for run in cold warm; do /usr/bin/time -f '%e s wall' $FD train log.out=$dir/\$run; done" ;;
+      echo "TIMEFORMAT='%R s wall'; for run in cold warm; do time $FD train log.out=$dir/\$run; done" ;;
     mtp)
       echo "python3 -m bench.spec_engine_mtp --layers 64 --json $dir/spec-engine-mtp.json" ;;
     train-step)
