@@ -25,28 +25,38 @@ def reference_loss(
     block_size: int,
     denominator: torch.Tensor | float | None = None,
     objective: Objective = PAPER,
+    teacher_hidden: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """Σ w·ℓ / denominator over the labelled positions from full logits `hidden @ lm_head_weight.T`.
 
     Computed in the inputs' common dtype, at least float32 (pass float64 tensors for a float64 reference); the
     denominator defaults to Σ w (exp weighting) or the labelled blocks (dpace), and the loss is 0 when it is 0.
+    With `teacher_hidden`, ℓ compares the whole distributions: torch's KL divergence against the target's softmax,
+    and the LK loss's acceptance rate Σ min(p, q) written as that sum.
     """
-    check_loss_inputs(hidden, lm_head_weight, labels, weights, block_size)
+    check_loss_inputs(hidden, lm_head_weight, labels, weights, block_size, teacher_hidden)
     dtype = torch.promote_types(torch.promote_types(hidden.dtype, lm_head_weight.dtype), torch.float32)
     dtype = torch.promote_types(dtype, weights.dtype)
     labelled = labels != IGNORE_INDEX
     logits = hidden.to(dtype) @ lm_head_weight.to(dtype).t()  # (B, Q, V)
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX)
-    ce = ce.view(labels.shape)
-    # The drafter's probability of each label, from the softmax itself (IGNORE rows read token 0, then masked).
-    q = logits.softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
-    if objective.loss == "lk":
-        lam = torch.exp(-objective.lk_eta * q).detach()
-        token_loss = lam * ce + (1 - lam) * (1 - q)
+    if teacher_hidden is None:
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX)
+        divergence = ce.view(labels.shape)
+        # The drafter's probability of each label, from the softmax itself (IGNORE rows read token 0, then masked).
+        confidence = logits.softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
     else:
-        token_loss = ce
+        teacher_logits = teacher_hidden.to(dtype) @ lm_head_weight.to(dtype).t()
+        log_q = logits.log_softmax(-1)
+        log_p = teacher_logits.log_softmax(-1)
+        divergence = F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)
+        confidence = torch.minimum(log_p.exp(), log_q.exp()).sum(-1)
+    if objective.loss == "lk":
+        lam = torch.exp(-objective.lk_eta * confidence).detach()
+        token_loss = lam * divergence + (1 - lam) * (1 - confidence)
+    else:
+        token_loss = divergence
     if objective.weighting == "dpace":
-        w = _dpace_by_definition(q.detach(), labelled, block_size, objective.dpace_alpha)
+        w = _dpace_by_definition(confidence.detach(), labelled, block_size, objective.dpace_alpha)
         normaliser = labelled_blocks(labels, block_size).sum().to(dtype)
     else:
         w = torch.where(labelled, weights.to(dtype), 0.0)

@@ -101,6 +101,78 @@ def test_loss_low_precision_and_no_grad(objective):
     assert torch.equal(again, loss.detach())
 
 
+def random_teacher(like: torch.Tensor, seed: int = 11, scale: float = 1.0) -> torch.Tensor:
+    """(B, Q, D) float64 hidden states standing in for the target's final ones before each label."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(like.shape, generator=g, dtype=torch.float64) * scale
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+@pytest.mark.parametrize("bs, blocks, vocab, width", SHAPES)
+@pytest.mark.parametrize("chunk_size", [1, 7, 1000])
+def test_target_distribution_loss_and_grad_match_reference(chunk_size, bs, blocks, vocab, width, objective):
+    """recipe.labels = target: KL (or LK) against the target's distribution, every element of the loss and its
+    gradient against the reference's autograd of torch's KL divergence and Σ min(p, q)."""
+    hidden, weight, labels, weights = random_loss_inputs(bs=bs, blocks=blocks, vocab=vocab, width=width)
+    teacher = random_teacher(hidden, scale=2.0)
+    loss, stats = dflash_loss(
+        hidden,
+        weight,
+        labels,
+        weights,
+        block_size=bs,
+        chunk_size=chunk_size,
+        objective=objective,
+        teacher_hidden=teacher,
+    )
+    (grad,) = torch.autograd.grad(loss, hidden)
+    ref_hidden = hidden.detach().clone().requires_grad_()
+    ref, ref_stats = reference_loss(
+        ref_hidden, weight, labels, weights, block_size=bs, objective=objective, teacher_hidden=teacher
+    )
+    (ref_grad,) = torch.autograd.grad(ref, ref_hidden)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-14)  # every element
+    assert not grad[labels == IGNORE_INDEX].any(), "an ignored position got a gradient"
+    assert grad[labels != IGNORE_INDEX].abs().sum() > 0
+    # Trained against the distribution, counted against the tokens: the hits are the label tokens' own.
+    token_loss, token_stats = dflash_loss(
+        hidden, weight, labels, weights, block_size=bs, chunk_size=chunk_size, objective=objective
+    )
+    assert (loss - token_loss).abs() > 1e-6
+    for name in ("correct", "valid", "accepted", "blocks"):
+        assert torch.equal(getattr(stats, name), getattr(token_stats, name)), name
+        assert torch.equal(getattr(stats, name), getattr(ref_stats, name)), name
+    torch.testing.assert_close(stats.loss_sum, ref_stats.loss_sum, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_target_distribution_of_one_token_is_the_token_loss(objective):
+    """A target sure of the label token (p one-hot) makes KL the cross-entropy and Σ min(p, q) the label's q: the
+    distribution path then equals the token path, loss and gradient, for every objective. The head is the identity
+    (width = vocabulary), so the teacher's logits can be set directly."""
+    bs, blocks, vocab = 5, 3, 23
+    hidden, _, labels, weights = random_loss_inputs(bs=bs, blocks=blocks, vocab=vocab, width=vocab)
+    head = torch.eye(vocab, dtype=torch.float64)
+    teacher = 1e4 * F.one_hot(labels.clamp(min=0), vocab).double()  # exp(-1e4) = 0 in float64: p is one-hot
+    soft, soft_stats = dflash_loss(
+        hidden, head, labels, weights, block_size=bs, chunk_size=4, objective=objective, teacher_hidden=teacher
+    )
+    (soft_grad,) = torch.autograd.grad(soft, hidden)
+    hard, hard_stats = dflash_loss(hidden, head, labels, weights, block_size=bs, chunk_size=4, objective=objective)
+    (hard_grad,) = torch.autograd.grad(hard, hidden)
+    torch.testing.assert_close(soft, hard, rtol=1e-12, atol=0)
+    torch.testing.assert_close(soft_grad, hard_grad, rtol=1e-10, atol=1e-15)
+    torch.testing.assert_close(soft_stats.loss_sum, hard_stats.loss_sum, rtol=1e-6, atol=0)
+
+
+def test_target_distribution_shape_error():
+    hidden, weight, labels, weights = random_loss_inputs()
+    for loss_fn in (dflash_loss, reference_loss):
+        with pytest.raises(ValueError, match="teacher_hidden must be shaped like hidden"):
+            loss_fn(hidden, weight, labels, weights, block_size=5, teacher_hidden=hidden[:, :-5].detach())
+
+
 def test_loss_denominator_and_nothing_labelled():
     hidden, weight, labels, weights = random_loss_inputs()
     loss, stats = dflash_loss(hidden, weight, labels, weights, block_size=5)
@@ -191,16 +263,18 @@ def test_loss_bf16_on_gpu_never_holds_all_logits():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_compiled_chunk_math_equals_eager_on_gpu():
-    from flashdraft.train.loss.fused import _chunk_ce, _compiled_chunk_ce
+    from flashdraft.train.loss.fused import _chunk_ce, _chunk_soft, _compiled
 
     g = torch.Generator(device="cuda").manual_seed(7)
     for rows in (1000, 37):  # a full chunk and a short last one (dynamic shapes)
         logits = torch.randn(rows, 50_000, device="cuda", generator=g) * 4
+        teacher = torch.randn(rows, 50_000, device="cuda", generator=g) * 4
         target = torch.randint(0, 50_000, (rows, 1), device="cuda", generator=g)
-        for eta in (None, 3.0):  # cross-entropy, LK
-            got = _compiled_chunk_ce()(logits, target, eta, torch.bfloat16)
-            want = _chunk_ce(logits, target, eta, torch.bfloat16)
-            torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
-            torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-4)
-            assert torch.equal(got[2], want[2])
-            torch.testing.assert_close(got[3].float(), want[3].float(), rtol=1e-2, atol=1e-6)
+        for eta in (None, 3.0):  # cross-entropy / KL, LK
+            for fn, inputs in ((_chunk_ce, (logits,)), (_chunk_soft, (logits, teacher))):
+                got = _compiled(fn)(*inputs, target, eta, torch.bfloat16)
+                want = fn(*inputs, target, eta, torch.bfloat16)
+                torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
+                torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-4)
+                assert torch.equal(got[2], want[2])
+                torch.testing.assert_close(got[3].float(), want[3].float(), rtol=1e-2, atol=1e-6)
