@@ -38,6 +38,7 @@ def test_yaml_and_overrides(tmp_path):
         ("recipe.dpace_alpha=0", "recipe.dpace_alpha = 0.0: must be in (0, 1]"),
         ("recipe.loss=kl", "recipe.loss = 'kl': must be ce or lk"),
         ("recipe.lk_eta=-1", "recipe.lk_eta = -1.0: must be >= 0"),
+        ("recipe.labels=soft", "recipe.labels = 'soft': must be token or target"),
         ("log.trackers=wandb", "log.trackers: expected a list"),
         ("nonsense", "expected section.field=value"),
     ],
@@ -52,6 +53,12 @@ def test_gamma_belongs_to_the_exp_weighting():
     assert (cfg.recipe.loss_weighting, cfg.recipe.loss, cfg.recipe.anchor_sampling) == ("dpace", "lk", "stratified")
     with pytest.raises(ConfigError, match="recipe.gamma = 7.0: is the exp weighting's decay.*set it to null"):
         load_config(None, ["recipe.loss_weighting=dpace", "recipe.gamma=7"])
+
+
+def test_target_labels_need_the_live_target():
+    assert load_config(None, ["recipe.labels=target"]).recipe.labels == "target"
+    with pytest.raises(ConfigError, match="recipe.labels = 'target': .*offline features"):
+        load_config(None, ["recipe.labels=target", "data.features=/data/features"])
 
 
 def test_bad_file_is_named(tmp_path):

@@ -32,6 +32,13 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "dpace": ("D-PACE position weights (alpha 0.5)", ["recipe.loss_weighting=dpace"]),
     "lk": ("LK^lambda token loss (eta 3)", ["recipe.loss=lk"]),
     "dpace_lk": ("D-PACE weights and the LK loss", ["recipe.loss_weighting=dpace", "recipe.loss=lk"]),
+    # Against the target's whole next-token distribution rather than its sampled or greedy token.
+    "target_labels": ("KL to the target's distribution", ["recipe.labels=target"]),
+    "target_lk": ("LK against the target's distribution", ["recipe.labels=target", "recipe.loss=lk"]),
+    "dpace_target": (
+        "D-PACE weights, KL to the target's distribution",
+        ["recipe.loss_weighting=dpace", "recipe.labels=target"],
+    ),
     "gamma4": ("faster decay, gamma 4", ["recipe.gamma=4"]),
     "gamma14": ("slower decay, gamma 14", ["recipe.gamma=14"]),
     "anchors256": ("256 anchors per sequence", ["recipe.num_anchors=256"]),

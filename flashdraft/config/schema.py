@@ -132,6 +132,11 @@ class RecipeConfig:
     loss: str = "ce"
     """Token loss ℓ: ce (cross-entropy of the label) | lk (LK^λ with the label as a one-hot target:
     λ·CE + (1-λ)·(1-q), λ = exp(-lk_eta·q) held constant, q the drafter's probability of the label)."""
+    labels: str = "token"
+    """What each block position learns: token (the data's next token, the paper's) | target (the target's whole
+    next-token distribution p there, from its final hidden state and LM head: ce becomes KL(p || q) and lk uses the
+    acceptance rate Σ min(p, q) for q; the whole target runs, not only up to the last captured layer, and it needs
+    the live target, not data.features)."""
     lk_eta: float = 3.0
     """η of the lk loss (>= 0; 0 is cross-entropy): how fast λ moves the weight from CE to 1 - q as q grows."""
 
@@ -264,6 +269,13 @@ class RunConfig:
                 "is the exp weighting's decay, unused with recipe.loss_weighting = dpace: set it to null",
             ),
             ("recipe.loss", self.recipe.loss in ("ce", "lk"), "must be ce or lk"),
+            ("recipe.labels", self.recipe.labels in ("token", "target"), "must be token or target"),
+            (
+                "recipe.labels",
+                not (self.recipe.labels == "target" and self.data.features),
+                "target needs the live target's last layer and LM head; offline features (data.features) hold only "
+                "the captured layers: use recipe.labels=token with data.features",
+            ),
             ("recipe.lk_eta", self.recipe.lk_eta >= 0, "must be >= 0 (0 is cross-entropy; 3 is the LK paper's)"),
             ("optim.lr", self.optim.lr > 0, "must be > 0"),
             ("optim.warmup_ratio", 0 <= self.optim.warmup_ratio < 1, "must be in [0, 1)"),

@@ -67,6 +67,7 @@ class FrozenTarget:
         *,
         config=None,
         strict: bool | None = None,
+        final_hidden: bool = False,
     ) -> None:
         text_config = target_text_config(model.config)
         self.config = copy.deepcopy(config if config is not None else text_config)
@@ -77,7 +78,10 @@ class FrozenTarget:
 
         self.model = model.eval().requires_grad_(False)
         self.decoder = model.get_decoder()
-        last = max(self.target_layer_ids)
+        # `final_hidden` (recipe.labels: target) keeps every layer: the final-normed last hidden state, through the
+        # LM head, is the target's next-token distribution the drafter learns.
+        self.final_hidden = final_hidden
+        last = self.num_target_layers - 1 if final_hidden else max(self.target_layer_ids)
         _truncate(self.decoder, text_config, last + 1)
         # hidden_states[L] of transformers is the final-normed output: to honour "layer i = hidden_states[i + 1]"
         # for the last layer too, its capture goes through the norm; the decoder itself never runs it.
@@ -106,13 +110,19 @@ class FrozenTarget:
 
     @classmethod
     def from_model(
-        cls, model: nn.Module, target_layer_ids: Sequence[int], *, strict: bool | None = None
+        cls,
+        model: nn.Module,
+        target_layer_ids: Sequence[int],
+        *,
+        strict: bool | None = None,
+        final_hidden: bool = False,
     ) -> FrozenTarget:
         """Wrap an in-memory causal LM. It is modified in place (frozen, truncated, final norm removed).
 
         `strict` (default: True on CUDA) makes a linear-attention layer that fell back to torch an error.
+        `final_hidden` keeps every layer so that `capture(..., final=True)` can return the final hidden states.
         """
-        return cls(model, target_layer_ids, strict=strict)
+        return cls(model, target_layer_ids, strict=strict, final_hidden=final_hidden)
 
     # ---- what the trainer reads ------------------------------------------------------------------------------
 
@@ -135,8 +145,12 @@ class FrozenTarget:
         return self.model.get_input_embeddings()(ids)
 
     @torch.no_grad()
-    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states of `target_layer_ids` → (B, T, n * D), concatenated in that order.
+    def capture(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, final: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states of `target_layer_ids` → (B, T, n * D), concatenated in that order; with `final` (a target
+        built with `final_hidden`) also the final-normed last hidden states (B, T, D), `output_hidden_states[-1]`,
+        whose product with the LM head is the model's logits.
 
         Layer i's slice equals `output_hidden_states[i + 1]` of the full model at every token. `attention_mask`
         (B, T), 1 = token, marks right padding; the features at padding positions are left undefined. Under no_grad
@@ -148,6 +162,8 @@ class FrozenTarget:
         """
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+        if final and not self.final_hidden:
+            raise ValueError("capture(final=True) needs a target built with final_hidden=True (its last layers kept)")
         _check_right_padding(attention_mask, input_ids.shape)
         batch, length = input_ids.shape
         width = self.hidden_size
@@ -159,12 +175,19 @@ class FrozenTarget:
         slots: dict[int, list[int]] = {}
         for slot, layer in enumerate(self.target_layer_ids):
             slots.setdefault(layer, []).append(slot)
+        last = self.num_target_layers - 1
+        final_states = None
+        if final:
+            final_states = torch.empty(batch, length, width, dtype=self.dtype, device=input_ids.device)
+            slots.setdefault(last, [])
         written: set[int] = set()
 
         def write(layer: int, _module, _args, output) -> None:
             hidden = output[0] if isinstance(output, tuple) else output
-            if self._final_norm is not None and layer == self.num_target_layers - 1:
+            if self._final_norm is not None and layer == last:
                 hidden = self._final_norm(hidden)
+                if final_states is not None:
+                    final_states.copy_(hidden)
             for slot in slots[layer]:
                 features[..., slot * width : (slot + 1) * width].copy_(hidden)
             written.add(layer)
@@ -179,7 +202,7 @@ class FrozenTarget:
                 handle.remove()
         if written != set(slots):
             raise RuntimeError(f"target layers {sorted(set(slots) - written)} did not run during capture")
-        return features
+        return features if final_states is None else (features, final_states)
 
     def configure(self, options) -> None:
         """Apply the `target.*` switches that change how the target runs (`options`: the config's target section):

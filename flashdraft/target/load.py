@@ -58,13 +58,15 @@ def build_target(
     device: str | torch.device,
     dtype: torch.dtype,
     num_features: int = 5,
+    final_hidden: bool = False,
 ) -> FrozenTarget:
     """The frozen target of `cfg` (`target.path`: the bundled target, a directory or a hub id), capturing
-    `layer_ids` (None: `num_features` layers spread over it). Not yet `configure`d: the caller may shard it first."""
+    `layer_ids` (None: `num_features` layers spread over it); `final_hidden` keeps its last layers and final norm
+    (`FrozenTarget.capture(..., final=True)`). Not yet `configure`d: the caller may shard it first."""
     if cfg.path == bundled.BUNDLED:
         model = bundled.build_target(dtype=dtype, device=device)
         ids = layer_ids or build_target_layer_ids(model.config.num_hidden_layers, num_features)
-        return FrozenTarget.from_model(model, ids)
+        return FrozenTarget.from_model(model, ids, final_hidden=final_hidden)
     return load_target(
         cfg.path,
         target_layer_ids=layer_ids,
@@ -73,6 +75,7 @@ def build_target(
         device=device,
         trust_remote_code=cfg.trust_remote_code,
         attn_implementation=cfg.attn_implementation,
+        final_hidden=final_hidden,
     )
 
 
@@ -87,6 +90,7 @@ def load_target(
     local_files_only: bool | None = None,
     attn_implementation: str = "sdpa",
     strict: bool | None = None,
+    final_hidden: bool = False,
 ) -> FrozenTarget:
     """Load a frozen target from a local directory or a hub id; safetensors only.
 
@@ -98,6 +102,7 @@ def load_target(
         trust_remote_code: run the checkpoint's own modeling code; off unless asked.
         local_files_only: see `resolve_local_files_only` (default: no downloads unless HF_HUB_OFFLINE=0).
         strict: raise `fastpath.FastPathError` when a linear-attention layer falls back (default: on CUDA).
+        final_hidden: load every layer and keep the final norm, for `capture(..., final=True)`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -116,7 +121,7 @@ def load_target(
         num_layers,
     )
     # Build only the layers up to the last captured one: the others' weights stay on disk.
-    _truncate_config(text_config, max(ids) + 1)
+    _truncate_config(text_config, num_layers if final_hidden else max(ids) + 1)
     # The checkpoint's later layers are now "unexpected keys" by design, so transformers' load report is silenced
     # and checked here instead: a missing key would be a randomly initialised weight.
     # Loading straight onto the GPU needs `accelerate` (transformers' device_map); without it, load then move.
@@ -146,7 +151,7 @@ def load_target(
         len(info.get("unexpected_keys") or []),
     )
     model.to(device)
-    target = FrozenTarget(model, ids, config=full_config, strict=strict)
+    target = FrozenTarget(model, ids, config=full_config, strict=strict, final_hidden=final_hidden)
     target.name_or_path = str(path_or_id)
     return target
 

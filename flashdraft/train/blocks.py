@@ -209,6 +209,13 @@ def build_blocks(
     )
 
 
+def before_labels(states: torch.Tensor, batch: DraftBatch) -> torch.Tensor:
+    """(B, T, D) per-token states → (B, Q, D) the state at p_a + k − 1 for each query, where the target predicts the
+    token labelled at (a, k). Queries without a label read a clamped position; their rows are never used."""
+    positions = (batch.position_ids[:, batch.ctx_len :] - 1).clamp(0, states.shape[1] - 1)
+    return states.gather(1, positions[..., None].expand(-1, -1, states.shape[-1]))
+
+
 __all__ = [
     "ANCHOR_SAMPLING",
     "IGNORE_INDEX",
@@ -216,6 +223,7 @@ __all__ = [
     "DraftBatch",
     "anchor_candidates",
     "anchor_generator",
+    "before_labels",
     "build_blocks",
     "gamma_for",
     "pad_anchors",

@@ -27,6 +27,7 @@ import torch
 from flashdraft.config import RunConfig, to_dict
 from flashdraft.devices import autocast
 from flashdraft.train import data_parallel, distributed
+from flashdraft.train.blocks import before_labels
 from flashdraft.train.checkpoint import CheckpointManager
 from flashdraft.train.compile import static_shapes
 from flashdraft.train.flops import step_flops
@@ -237,8 +238,14 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
     # Counted before the GPU work is queued: a host sync later would stall the queue between micro-batches.
     tokens = sum(int(attn.sum()) for _, _, attn in micro)
     total = None
+    soft = cfg.recipe.labels == "target"
     for (ids, _, attn), batch, idx in zip(micro, batches, indices, strict=True):
-        features = s.target.capture(ids, attn) if s.features is None else s.features.batch(idx, ids.shape[1])
+        teacher_hidden = None
+        if soft:  # the target's own distribution before each label (recipe.labels: target)
+            features, final = s.target.capture(ids, attn, final=True)
+            teacher_hidden = before_labels(final, batch)
+        else:
+            features = s.target.capture(ids, attn) if s.features is None else s.features.batch(idx, ids.shape[1])
         if width is not None:
             features = pad_positions(features, width)
         mark("target")
@@ -258,6 +265,7 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
             block_size=batch.block_size,
             denominator=denominator,
             objective=objective,
+            teacher_hidden=teacher_hidden,
         )
         mark("loss")
         loss.backward()

@@ -120,7 +120,12 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
         target = features.head_target(layer_ids)
     else:
         target = build_target(
-            cfg.target, layer_ids=layer_ids, device=load_on, dtype=dtype, num_features=cfg.drafter.num_layers
+            cfg.target,
+            layer_ids=layer_ids,
+            device=load_on,
+            dtype=dtype,
+            num_features=cfg.drafter.num_layers,
+            final_hidden=cfg.recipe.labels == "target",
         )
         if cfg.target.shard:
             data_parallel.shard_target(target.model, device)

@@ -200,7 +200,12 @@ def load_bench_target(cfg):
     dtype = resolve_dtype(cfg.target.dtype, device)
     torch.manual_seed(cfg.train.seed)
     target = build_target(
-        cfg.target, layer_ids=captured_layer_ids(cfg), device=device, dtype=dtype, num_features=cfg.drafter.num_layers
+        cfg.target,
+        layer_ids=captured_layer_ids(cfg),
+        device=device,
+        dtype=dtype,
+        num_features=cfg.drafter.num_layers,
+        final_hidden=cfg.recipe.labels == "target",
     )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(cfg), trust_remote_code=cfg.target.trust_remote_code)
     return target, tokenizer

@@ -49,23 +49,23 @@ def one_thread():
 
 def test_sweep_trains_and_measures_each_variant(tmp_path, capsys):
     sweep = load_sweep()
-    assert sweep.main([*TINY, "--out", str(tmp_path), "--variants", "baseline,dpace_lk"]) == 0
+    assert sweep.main([*TINY, "--out", str(tmp_path), "--variants", "baseline,target_lk"]) == 0
     report = json.loads((tmp_path / "sweep.json").read_text())
     assert report["steps"] == 2 and report["num_prompts"] == 1
     assert set(report["prompt_lookup"]) == {"tau_t0", "tau_t1"}
-    assert [r["name"] for r in report["variants"]] == ["baseline", "dpace_lk"]
+    assert [r["name"] for r in report["variants"]] == ["baseline", "target_lk"]
     for row in report["variants"]:
         assert row["steps"] == 2 and row["train_s"] > 0 and row["tok_s"] > 0
         assert 1 <= row["tau_t0"] <= 16 and 1 <= row["tau_t1"] <= 16
         assert row["greedy_mismatches"] == 0  # float32 on the CPU: DFlash and prompt lookup are both the target's
         saved = json.loads((tmp_path / "runs" / row["name"] / "config.json").read_text())
         assert saved["train"]["max_steps"] == 2 and saved["data"]["eval_prompts"] is None
-    saved = json.loads((tmp_path / "runs" / "dpace_lk" / "config.json").read_text())
-    assert (saved["recipe"]["loss_weighting"], saved["recipe"]["loss"]) == ("dpace", "lk")
+    saved = json.loads((tmp_path / "runs" / "target_lk" / "config.json").read_text())
+    assert (saved["recipe"]["labels"], saved["recipe"]["loss"]) == ("target", "lk")
     baseline = json.loads((tmp_path / "runs" / "baseline" / "config.json").read_text())
-    assert (baseline["recipe"]["loss_weighting"], baseline["recipe"]["loss"]) == ("exp", "ce")
+    assert (baseline["recipe"]["labels"], baseline["recipe"]["loss"]) == ("token", "ce")
     table = (tmp_path / "sweep.md").read_text()
-    assert "| baseline |" in table and "| dpace_lk |" in table and "× prompt lookup" in table
+    assert "| baseline |" in table and "| target_lk |" in table and "× prompt lookup" in table
     assert table in capsys.readouterr().out
     if PLOT:
         assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

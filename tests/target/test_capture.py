@@ -65,6 +65,30 @@ def test_capture_with_right_padding(family):
         target.capture(ids, mask.flip(1))
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_capture_final_hidden_is_the_models_last_state_and_logits(family):
+    """recipe.labels = target: a target built with final_hidden keeps every layer, and capture(final=True) gives
+    the final-normed last hidden state, whose product with the LM head is the full model's logits; the captured
+    features stay those of the truncated capture."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 256, (2, 10), generator=g)
+    reference = build_tiny_target(family, num_layers=LAYERS, dtype=torch.float64, seed=0)
+    fastpath.enable(reference, strict=False)
+    with torch.no_grad():
+        out = reference(input_ids=ids, output_hidden_states=True)
+    model = build_tiny_target(family, num_layers=LAYERS, dtype=torch.float64, seed=0)
+    target = FrozenTarget.from_model(model, [1, 4], strict=False, final_hidden=True)
+    assert len(model.model.layers) == LAYERS
+    features, final = target.capture(ids, final=True)
+    assert torch.equal(features, torch.cat([out.hidden_states[2], out.hidden_states[5]], dim=-1))
+    assert torch.equal(final, out.hidden_states[-1])
+    torch.testing.assert_close(final @ target.lm_head_weight.t(), out.logits, rtol=1e-12, atol=1e-12)
+    assert torch.equal(target.capture(ids), features)
+    truncated = FrozenTarget.from_model(build_tiny_target(family, LAYERS, dtype=torch.float64), [1, 4], strict=False)
+    with pytest.raises(ValueError, match="final_hidden"):
+        truncated.capture(ids, final=True)
+
+
 def test_frozen_embed_and_lm_head():
     model = build_tiny_target("qwen3_5", LAYERS, dtype=torch.float64)
     embedding = model.get_input_embeddings().weight.detach().clone()
@@ -103,6 +127,11 @@ def test_load_target_reads_only_kept_layers(tmp_path, family):
     assert not any(name.startswith("model.layers.3.") for name, _ in target.model.named_parameters())
     assert torch.equal(target.capture(ids), torch.cat([hidden_states[1], hidden_states[3]], dim=-1))
     assert target.name_or_path == str(tmp_path)
+    # recipe.labels = target loads every layer: the final hidden state is the full model's.
+    whole = load_target(tmp_path, target_layer_ids=[0, 2], device="cpu", final_hidden=True)
+    assert len(whole.decoder.layers) == LAYERS
+    features, final = whole.capture(ids, final=True)
+    assert torch.equal(features, target.capture(ids)) and torch.equal(final, hidden_states[-1])
 
 
 def test_load_target_multimodal_qwen35_checkpoint(tmp_path):

@@ -334,6 +334,63 @@ def test_recipe_objective_reaches_the_loss(monkeypatch):
     assert float(stats.weight_sum) == blocks == int(stats.blocks)
 
 
+def test_target_labels_reach_the_loss_as_the_targets_final_states(monkeypatch):
+    """recipe.labels = target: each labelled query's teacher state is the whole target's final hidden state at the
+    position before its label (checked against a fresh full model's output_hidden_states), over ragged micro-batches,
+    and the loss is the distribution loss, not the token loss."""
+    from flashdraft.train import step_timing
+
+    overrides = ["data.max_length=40", "recipe.num_anchors=3", "train.batch_size=2", "train.grad_accum=2"]
+    cfg = load_config(bundled.ASSETS / "train.yaml", [*overrides, "train.device=cpu", "recipe.labels=target"])
+    target, tokenizer = step_timing.load_bench_target(cfg)
+    assert len(target.decoder.layers) == target.num_target_layers  # nothing truncated
+    s = step_timing.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
+    s.data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
+    seen = {"ids": [], "batches": [], "losses": []}
+    real_capture, real_before, real_loss = target.capture, loop.before_labels, loop.dflash_loss
+
+    def capture(ids, attn=None, **kwargs):
+        seen["ids"].append((ids, attn))
+        return real_capture(ids, attn, **kwargs)
+
+    def before(states, batch):
+        seen["batches"].append(batch)
+        return real_before(states, batch)
+
+    def loss(hidden, head, labels, weights, **kwargs):
+        seen["losses"].append((labels, kwargs["teacher_hidden"]))
+        token, _ = real_loss(hidden, head, labels, weights, **{**kwargs, "teacher_hidden": None})
+        soft, stats = real_loss(hidden, head, labels, weights, **kwargs)
+        assert (soft - token).abs() > 1e-6
+        return soft, stats
+
+    monkeypatch.setattr(target, "capture", capture)
+    monkeypatch.setattr(loop, "before_labels", before)
+    monkeypatch.setattr(loop, "dflash_loss", loss)
+
+    class Drop:
+        def step(self):
+            pass
+
+        def zero_grad(self, set_to_none=True):
+            s.drafter.zero_grad(set_to_none=set_to_none)
+
+    _, _, finite = loop.train_step(s, cfg, Drop(), 0)
+    assert finite and len(seen["losses"]) == 2
+    full = bundled.build_target(dtype=torch.float32)
+    checked = 0
+    for (ids, attn), batch, (labels, teacher) in zip(seen["ids"], seen["batches"], seen["losses"], strict=True):
+        with torch.no_grad():
+            final = full(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states[-1]
+        positions = batch.position_ids[:, batch.ctx_len :]
+        for b, q in (labels != -100).nonzero().tolist():
+            pos = int(positions[b, q])
+            assert ids[b, pos] == labels[b, q] and attn[b, pos] == 1
+            torch.testing.assert_close(teacher[b, q], final[b, pos - 1], rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked >= 4 * 3 * 10  # 12 blocks, most of their 15 positions labelled
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compiled_flex_steps_over_ragged_batches_on_gpu():

@@ -10,6 +10,9 @@ Token losses (q = the drafter's probability of the label, CE = −log q):
   distribution; the truncated training target never computes it, so flashdraft's labels (the target's own tokens)
   stand in for it. (The paper's other loss, −log α, equals CE against a one-hot target.)
 
+With `recipe.labels: target` the label is the target's whole next-token distribution p (fused.py `_chunk_soft`):
+ce is KL(p ‖ q), lk uses α = Σ min(p, q) where it used q, and D-PACE's confidence is α.
+
 Position weights (block position k = 1 … bs − 1):
 - exp: w_k = exp(−(k − 1)/γ) (the DFlash paper's; `DraftBatch.weights`); the loss is Σ w·ℓ / Σ w.
 - dpace: D-PACE (arXiv 2605.18810): with q̃_i = (1 − α)·q_i + α, w_j = Σ_{m ≥ j} Π_{i ≤ m} q̃_i over the labelled
