@@ -392,7 +392,11 @@ def test_fp8_target_on_the_gpu(family):
 
 def test_compiled_glue_of_an_fp8_target_keeps_its_features():
     """`target.compile` with FP8 linears: the per-row quantization compiles (inside the MLPs, and alone for the
-    attention and Gated DeltaNet projections) without a graph break, and the features stay the eager ones."""
+    attention and Gated DeltaNet projections) without a graph break, and the features stay the eager ones up to FP8
+    rounding: a float32 rounding difference of the compiled glue can move an activation across an FP8 step (12.5%),
+    which the next layers carry on. Measured on the CPU: 7e-8 relative with torch 2.14's inductor, 5.8e-4 with
+    2.13's (2.3% of the elements moved), against 2.3e-2 between this FP8 target and the same model unquantized,
+    which is what a compiled path that lost the quantization would show."""
     from torch._dynamo.utils import counters
 
     from flashdraft.fastpath import fp8
@@ -407,5 +411,6 @@ def test_compiled_glue_of_an_fp8_target_keeps_its_features():
     lone = [m for m in target._glue_modules() if isinstance(m, fp8.FP8Linear)]
     assert lone and all(m is not layer.mlp.down_proj for m in lone for layer in target.decoder.layers)
     target.compile_glue()
-    torch.testing.assert_close(target.capture(ids), eager, rtol=1e-5, atol=1e-5)
+    compiled = target.capture(ids)
+    assert ((compiled - eager).norm() / eager.norm()).item() < 5e-3
     assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]
