@@ -10,8 +10,9 @@
 #   long           python -m bench.train_step --seq 65536,131072 --try target.precision=fp8
 #   feature-error  python -m bench.feature_error                      FP8 against bf16 features, per captured layer
 #   drafter        examples/tiny_target/pipeline.sh on the bundled target: corpus, regeneration, the drafter
-#                  fine-tuned from the bundled one (DRAFTER_ARGS, REGEN_*), eval on the package's held-out
-#                  prompts; the last drafter is kept as final_drafter/ (examples/tiny_target/ship.py ships it)
+#                  fine-tuned from the bundled one (DRAFTER_ARGS, default drafter.init_from=bundled; REGEN_*),
+#                  eval on the package's held-out prompts; the last drafter is kept as final_drafter/
+#                  (examples/tiny_target/ship.py ships it)
 #   sweep          examples/tiny_target/sweep.py on the drafter stage's rows (SWEEP_ARGS, e.g. --variants ...)
 # The stages run one after another, never beside each other, so no timing shares the GPU with a compile.
 # WHEELS=DIR: wheels installed first (no dependencies, into a private folder on PYTHONPATH) for what the machine
@@ -80,6 +81,7 @@ stage_command() {
       # Trained on this machine's standard library (the corpus keeps the held-out files out by path), evaluated
       # on the package's own held-out prompts, the ones every published figure uses.
       echo "BUILD=$dir/build TARGET=bundled HELDOUT=$PWD/flashdraft/bundled/eval.jsonl" \
+        "DRAFTER_ARGS='${DRAFTER_ARGS-drafter.init_from=bundled}'" \
         "STAGES='corpus regen drafter eval' bash examples/tiny_target/pipeline.sh &&" \
         "cp -r \$(ls -d $dir/build/drafter_run/checkpoints/step_* | tail -1)/drafter $dir/final_drafter" ;;
     sweep)
