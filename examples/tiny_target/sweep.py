@@ -178,31 +178,44 @@ class Decoder:
 def write_report(out: Path, report: dict) -> None:
     (out / "sweep.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "sweep.md").write_text(table(report) + "\n")
+    fig = chart(report)
+    if fig is not None:
+        fig.savefig(out / "sweep.png", dpi=120, bbox_inches="tight")
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+def chart(report: dict):
+    """The bar chart of τ per variant at both temperatures, each bar labelled with its value, prompt lookup's τ as
+    lines, the legend beside the axes (never over a bar); None without matplotlib or a measured variant."""
     try:
         import matplotlib
     except ImportError:
-        return
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     done = [r for r in report["variants"] if "tau_t0" in r]
     if not done:
-        return
+        return None
     fig, ax = plt.subplots(figsize=(1.2 * len(done) + 2, 4))
     x = range(len(done))
-    ax.bar([i - 0.2 for i in x], [r["tau_t0"] for r in done], width=0.4, label="DFlash T=0")
-    ax.bar([i + 0.2 for i in x], [r["tau_t1"] for r in done], width=0.4, label="DFlash T=1")
+    for t, offset in zip(TEMPERATURES, (-0.2, 0.2), strict=True):
+        bars = ax.bar([i + offset for i in x], [r[f"tau_t{t:g}"] for r in done], width=0.4, label=f"DFlash T={t:g}")
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
     for t, style in zip(TEMPERATURES, ("--", ":"), strict=True):
         ax.axhline(
             report["prompt_lookup"][f"tau_t{t:g}"], color="gray", linestyle=style, label=f"prompt lookup T={t:g}"
         )
     ax.set_xticks(list(x), [r["name"] for r in done], rotation=20)
     ax.set_ylabel("τ (tokens per verification)")
+    tallest = max([*(r[f"tau_t{t:g}"] for r in done for t in TEMPERATURES), *report["prompt_lookup"].values()])
+    ax.set_ylim(0, 1.1 * tallest + 0.1)  # room for the bar labels
     ax.set_title(f"{report['steps']} steps per variant, {report['num_prompts']} held-out prompts, block 16")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(out / "sweep.png", dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def table(report: dict) -> str:

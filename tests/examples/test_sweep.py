@@ -47,6 +47,31 @@ def one_thread():
     torch.set_num_threads(saved)
 
 
+@pytest.mark.skipif(not PLOT, reason="matplotlib is optional")
+def test_chart_labels_every_bar_and_keeps_the_legend_off_the_bars():
+    """The chart a reader looks at: each bar carries its τ, and the legend covers no bar and no label (it sat on
+    the tallest bar of a 4-variant chart before)."""
+    sweep = load_sweep()
+    variants = [
+        {"name": n, "tau_t0": t0, "tau_t1": t1}
+        for n, t0, t1 in [("baseline", 4.06, 1.90), ("a", 3.73, 1.89), ("b", 4.21, 2.08), ("c", 3.76, 1.92)]
+    ]
+    report = {"steps": 150, "num_prompts": 32, "variants": variants, "prompt_lookup": {"tau_t0": 1.87, "tau_t1": 1.33}}
+    fig = sweep.chart(report)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    legend = ax.get_legend().get_window_extent(renderer)
+    bars = [patch.get_window_extent(renderer) for patch in ax.patches]
+    labels = [text for text in ax.texts]
+    assert len(bars) == 8 and sorted(t.get_text() for t in labels) == sorted(
+        f"{v[k]:.2f}" for v in variants for k in ("tau_t0", "tau_t1")
+    )
+    for box in [*bars, *(text.get_window_extent(renderer) for text in labels)]:
+        assert not legend.overlaps(box)
+    assert all(text.get_window_extent(renderer).y1 <= ax.get_window_extent(renderer).y1 for text in labels)
+
+
 def test_sweep_trains_and_measures_each_variant(tmp_path, capsys):
     sweep = load_sweep()
     assert sweep.main([*TINY, "--out", str(tmp_path), "--variants", "baseline,target_lk"]) == 0
