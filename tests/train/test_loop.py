@@ -246,6 +246,20 @@ class _Ragged:
         return list(range(len(self.rows)))
 
 
+class _NoUpdate:
+    """An optimizer that leaves the drafter as it is (the step's inputs are what a test checks) and clears its
+    gradients as the loop asks."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none=True):
+        self.drafter.zero_grad(set_to_none=set_to_none)
+
+
 def test_static_shapes_pad_without_changing_loss_or_gradients():
     """train.static_shapes pads each micro-batch to data.max_length positions and recipe.num_anchors blocks: the
     drafter sees that one shape, and the step's loss and gradients are those of the unpadded batch. On the CPU, in
@@ -317,14 +331,7 @@ def test_recipe_objective_reaches_the_loss(monkeypatch):
 
     monkeypatch.setattr(loop, "dflash_loss", spy)
 
-    class Drop:
-        def step(self):
-            pass
-
-        def zero_grad(self, set_to_none=True):
-            s.drafter.zero_grad(set_to_none=set_to_none)
-
-    stats, _, finite = loop.train_step(s, cfg, Drop(), 0)
+    stats, _, finite = loop.train_step(s, cfg, _NoUpdate(s.drafter), 0)
     assert finite and len(calls) == 2
     blocks = sum(count for count, _ in calls)
     assert blocks == 4 * 3  # every sequence has room for its 3 anchors
@@ -368,14 +375,7 @@ def test_target_labels_reach_the_loss_as_the_targets_final_states(monkeypatch):
     monkeypatch.setattr(loop, "before_labels", before)
     monkeypatch.setattr(loop, "dflash_loss", loss)
 
-    class Drop:
-        def step(self):
-            pass
-
-        def zero_grad(self, set_to_none=True):
-            s.drafter.zero_grad(set_to_none=set_to_none)
-
-    _, _, finite = loop.train_step(s, cfg, Drop(), 0)
+    _, _, finite = loop.train_step(s, cfg, _NoUpdate(s.drafter), 0)
     assert finite and len(seen["losses"]) == 2
     full = bundled.build_target(dtype=torch.float32)
     checked = 0
