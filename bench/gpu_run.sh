@@ -13,7 +13,8 @@
 #                  fine-tuned from the bundled one (DRAFTER_ARGS, default drafter.init_from=bundled; REGEN_*),
 #                  eval on the package's held-out prompts; the last drafter is kept as final_drafter/
 #                  (examples/tiny_target/ship.py ships it)
-#   sweep          examples/tiny_target/sweep.py on the drafter stage's rows (SWEEP_ARGS, e.g. --variants ...)
+#   sweep          examples/tiny_target/sweep.py on the drafter stage's rows, or on SWEEP_DATA (paths), with
+#                  SWEEP_ARGS (e.g. --variants ...)
 # The stages run one after another, never beside each other, so no timing shares the GPU with a compile.
 # WHEELS=DIR: wheels installed first (no dependencies, into a private folder on PYTHONPATH) for what the machine
 # lacks, e.g. fla-core. Each stage's output is OUT/<stage>/ with its log; OUT/stages.tsv says how each ended
@@ -85,8 +86,8 @@ stage_command() {
         "STAGES='corpus regen drafter eval' bash examples/tiny_target/pipeline.sh &&" \
         "cp -r \$(ls -d $dir/build/drafter_run/checkpoints/step_* | tail -1)/drafter $dir/final_drafter" ;;
     sweep)
-      echo "python3 examples/tiny_target/sweep.py --data $OUT/drafter/build/regen_t0.jsonl" \
-        "$OUT/drafter/build/regen_t1.jsonl --out $dir ${SWEEP_ARGS:-}" ;;
+      echo "python3 examples/tiny_target/sweep.py --out $dir ${SWEEP_ARGS:-} --data" \
+        "${SWEEP_DATA:-$OUT/drafter/build/regen_t0.jsonl $OUT/drafter/build/regen_t1.jsonl}" ;;
     *)
       echo "echo 'unknown stage $name (first-step mtp train-step long feature-error drafter sweep)'; exit 2" ;;
   esac
