@@ -17,7 +17,7 @@
 #                  SWEEP_ARGS (e.g. --variants ...)
 # The stages run one after another, never beside each other, so no timing shares the GPU with a compile.
 # WHEELS=DIR: wheels installed first (no dependencies, into a private folder on PYTHONPATH) for what the machine
-# lacks, e.g. fla-core. Each stage's output is OUT/<stage>/ with its log; OUT/stages.tsv says how each ended
+# lacks, e.g. fla-core (a newer transformers brings its own needs: 5.25 wants huggingface-hub >= 2.4). Each stage's output is OUT/<stage>/ with its log; OUT/stages.tsv says how each ended
 # (seconds, exit code: 124 = stopped by its cap); OUT/results.tar.gz (in parts where large) holds the results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +27,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 
 if [ -n "${WHEELS:-}" ]; then
+  rm -rf /tmp/flashdraft-wheels  # a warm machine keeps an earlier call's: what WHEELS holds now replaces it
   python3 -m pip install -q --no-index --no-deps --target /tmp/flashdraft-wheels "$WHEELS"/*.whl
   export PYTHONPATH=/tmp/flashdraft-wheels${PYTHONPATH:+:$PYTHONPATH}
 fi
