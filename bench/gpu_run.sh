@@ -17,8 +17,9 @@
 #                  SWEEP_ARGS (e.g. --variants ...)
 # The stages run one after another, never beside each other, so no timing shares the GPU with a compile.
 # WHEELS=DIR: wheels installed first (no dependencies, into a private folder on PYTHONPATH) for what the machine
-# lacks, e.g. fla-core (a newer transformers brings its own needs: 5.25 wants huggingface-hub >= 2.4). Each stage's output is OUT/<stage>/ with its log; OUT/stages.tsv says how each ended
-# (seconds, exit code: 124 = stopped by its cap); OUT/results.tar.gz (in parts where large) holds the results.
+# lacks, e.g. fla-core (a newer transformers brings its own needs: 5.25 wants huggingface-hub >= 2.4).
+# Each stage's output is OUT/<stage>/ with its log; OUT/stages.tsv says how each ended (seconds, exit code:
+# 124 = stopped by its cap); OUT/results.tar.gz (in parts where large) holds the results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the folder for the results}
