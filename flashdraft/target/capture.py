@@ -18,6 +18,7 @@ import contextlib
 import copy
 import logging
 import re
+import time
 from collections.abc import Sequence
 
 import torch
@@ -94,7 +95,10 @@ class FrozenTarget:
             strict = param.device.type == "cuda"
         self.strict = strict
         self.precision = "fp8" if fp8.fp8_linears(self.decoder) else "bf16"
+        started = time.perf_counter()
         self.fastpath_report: FastPathReport = fastpath.enable(model, strict=strict)
+        # On a freshly started GPU machine: the fast kernels' first JIT compilation and autotuning.
+        self.probe_seconds = time.perf_counter() - started
         if self.fastpath_report.layers:
             # On a CPU the torch fallback is expected (and correct); on a GPU a fallback costs ~2x target time.
             slow = not self.fastpath_report.ok and param.device.type != "cpu"
@@ -228,7 +232,9 @@ class FrozenTarget:
         check_fp8(self.device, self.dtype)
         converted = fp8.convert_linears(self.decoder.layers)
         self.precision = "fp8"
+        started = time.perf_counter()
         self.fastpath_report = fastpath.probe(self.model)
+        self.probe_seconds += time.perf_counter() - started
         if self.strict and not self.fastpath_report.ok:
             raise fastpath.FastPathError(self.fastpath_report)
         logger.info("target: %d linears in FP8; %s", len(converted), self.fastpath_report.summary())

@@ -16,7 +16,6 @@ import functools
 import json
 import logging
 import operator
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch
 
 from flashdraft.config import RunConfig, to_dict
 from flashdraft.devices import autocast
+from flashdraft.io.atomic import atomic_write_text
 from flashdraft.train import data_parallel, distributed
 from flashdraft.train.blocks import before_labels
 from flashdraft.train.checkpoint import CheckpointManager
@@ -40,6 +40,7 @@ from flashdraft.train.setup import Setup, collate, pad_positions, setup, step_bl
 from flashdraft.train.stop import GracefulStop
 from flashdraft.train.tau import measure_tau, periodic_tau
 from flashdraft.train.trackers import check_trackers
+from flashdraft.train.wallclock import WallClock, synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -61,18 +62,18 @@ class TrainResult:
 
 
 def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
-    started = time.perf_counter()
+    clock = WallClock()
     out = Path(cfg.log.out)
     check_trackers(cfg.log.trackers)  # before minutes of loading
     # Decided before config.json is written: it is what tells this run's OUT from another run's.
     restart = resume and restart_without_checkpoint(out, cfg)
     out.mkdir(parents=True, exist_ok=True)
     if distributed.world().is_main:
-        _write_atomically(out / "config.json", json.dumps(to_dict(cfg), indent=1))
+        # Other ranks may read it meanwhile (`restart_without_checkpoint`): never a half-written one.
+        atomic_write_text(out / "config.json", json.dumps(to_dict(cfg), indent=1))
     # The run's own copy: setup decides its `auto` compile switches in it (config.json keeps what was asked).
     cfg = copy.deepcopy(cfg)
-    s = setup(cfg, out, console)
-    ready = time.perf_counter()
+    s = setup(cfg, out, console, clock)
     optimizer = build_optimizer(s.drafter.parameters(), cfg.optim, s.device)
     scheduler = build_scheduler(optimizer, cfg.optim, s.total_steps)
     checkpoints = CheckpointManager(out, keep=cfg.log.keep_checkpoints)
@@ -106,12 +107,16 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
     # than report one or two steps' worth of sequences.
     window: deque = deque(maxlen=cfg.log.every)
     skipped, stopped_by = 0, None
+    loop_started = clock.since_start()
     with metrics.progress(), GracefulStop() as stop:
         metrics.advance(start)
         for step in range(start, s.total_steps):
-            stats, tokens, finite = train_step(s, cfg, optimizer, step)
             if step == start:
-                _log_first_step(s.device, started, ready)
+                with clock.phase("first step"):
+                    stats, tokens, finite = train_step(s, cfg, optimizer, step)
+                _log_first_step(clock)
+            else:
+                stats, tokens, finite = train_step(s, cfg, optimizer, step)
             if not finite:
                 if cfg.train.on_nonfinite == "stop":
                     raise TrainingError(
@@ -132,11 +137,13 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
                 row = summarize(functools.reduce(operator.add, window), timer.take(), s, scheduler.get_last_lr()[0])
                 row["skipped"] = skipped
                 if cfg.log.eval_every and done % cfg.log.eval_every == 0 and done < s.total_steps and not halt:
-                    row["tau"] = periodic_tau(cfg, s)
+                    with clock.phase("measured τ"):
+                        row["tau"] = periodic_tau(cfg, s)
                     timer.take()  # decoding time is not training throughput
                 metrics.log(done, row)
             if done % cfg.log.checkpoint_every == 0 or done == s.total_steps or halt:
-                last_ckpt = checkpoints.save(done, s.drafter, optimizer, scheduler, {"step": done})
+                with clock.phase("checkpoints"):
+                    last_ckpt = checkpoints.save(done, s.drafter, optimizer, scheduler, {"step": done})
             if halt:
                 stopped_by = stop.signal_name or "another rank's signal"
                 logger.warning(
@@ -148,19 +155,35 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
                 )
                 break
     metrics.close()
+    synchronize()
+    # The steps after the first, less what was timed inside the loop (evaluations, checkpoints, the first step).
+    inside = sum(clock.seconds.get(name, 0.0) for name in ("first step", "measured τ", "checkpoints"))
+    clock.add("steps", clock.since_start() - loop_started - inside)
+    main = distributed.world().is_main
     if stopped_by is not None:
         # No final τ measurement: a stopped job should leave within its grace period.
-        main = distributed.world().is_main  # the stop logged a metrics row (above)
-        curve = draw_training_curve(out / "metrics.jsonl", out / "training_curve.png") if main else None
+        with clock.phase("plot"):  # the stop logged a metrics row (above)
+            curve = draw_training_curve(out / "metrics.jsonl", out / "training_curve.png") if main else None
+        _report_wall_time(clock, out, main)
         return TrainResult(out, done, float("nan"), float("nan"), None, last_ckpt, curve, stopped_by)
     # Decoding (the measured τ) and the report are rank 0's, on a plain copy of the (sharded) drafter.
     s.drafter = data_parallel.gather_drafter(s.drafter)
     if s.drafter is None:
         return TrainResult(out, s.total_steps, float("nan"), float("nan"), None, last_ckpt, None)
     final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()][-1]
-    measured = measure_tau(cfg, s, out / "measured_tau.json")
-    curve = draw_training_curve(out / "metrics.jsonl", out / "training_curve.png", final_tau=measured)
+    with clock.phase("measured τ"):
+        measured = measure_tau(cfg, s, out / "measured_tau.json")
+    with clock.phase("plot"):
+        curve = draw_training_curve(out / "metrics.jsonl", out / "training_curve.png", final_tau=measured)
+    _report_wall_time(clock, out, main)
     return TrainResult(out, s.total_steps, final["loss"], final["sim_tau"], measured, last_ckpt, curve)
+
+
+def _report_wall_time(clock: WallClock, out: Path, main: bool) -> None:
+    """Where the run's time went: one log line and OUT/wall_time.json (rank 0)."""
+    if main:
+        logger.info("%s", clock.line())
+        clock.write(out / "wall_time.json")
 
 
 def restart_without_checkpoint(out: Path, cfg: RunConfig) -> bool:
@@ -204,13 +227,6 @@ def _first_difference(now, before, prefix: str = "") -> str | None:
                 return found
         return None
     return None if now == before else f"{prefix}: {now!r} now, {before!r} there"
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Other ranks may read the file meanwhile (`restart_without_checkpoint`): never a half-written one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
@@ -286,18 +302,13 @@ def _no_mark(phase: str) -> None:
     pass
 
 
-def _log_first_step(device: torch.device, started: float, ready: float) -> None:
+def _log_first_step(clock: WallClock) -> None:
     """Once per run: how long until the first step was done, and how much of it was the step itself (on a GPU, its
     compiles and Triton autotuning) rather than loading the target, the data and the drafter."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    now = time.perf_counter()
-    logger.info(
-        "first step after %.1f s (setup %.1f s: target, data, drafter; the step itself %.1f s)",
-        now - started,
-        ready - started,
-        now - ready,
-    )
+    step = clock.seconds["first step"]
+    total = clock.since_start()
+    parts = ", ".join(f"{name} {sec:.1f}" for name, sec in clock.seconds.items() if name != "first step")
+    logger.info("first step after %.1f s (setup %.1f s: %s; the step itself %.1f s)", total, total - step, parts, step)
 
 
 class _Timer:

@@ -33,6 +33,7 @@ from flashdraft.train import data_parallel, distributed
 from flashdraft.train.blocks import DraftBatch, anchor_generator, build_blocks, sample_anchors
 from flashdraft.train.compile import compile_drafter, resolve_auto_compile
 from flashdraft.train.flops import Peak, describe, device_peak, step_flops
+from flashdraft.train.wallclock import WallClock
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +63,17 @@ class Setup:
     peak: Peak | None = None  # dense bf16 rate of one device, for MFU (None: unknown, or a CPU)
 
 
-def setup(cfg: RunConfig, out: Path, console) -> Setup:
+def setup(cfg: RunConfig, out: Path, console, clock: WallClock | None = None) -> Setup:
     """Everything a run needs before its first step. The `auto` compile switches of `cfg` are decided here, for
-    this run's size (`compile.resolve_auto_compile`), and set in `cfg`."""
-    device, tokenizer, target, data, features = load_inputs(cfg, out, console)
+    this run's size (`compile.resolve_auto_compile`), and set in `cfg`. `clock`: times the target, the data and
+    the drafter as phases."""
+    clock = clock or WallClock()
+    device, tokenizer, target, data, features = load_inputs(cfg, out, console, clock=clock)
+    with clock.phase("drafter"):
+        return _with_drafter(cfg, device, tokenizer, target, data, features)
+
+
+def _with_drafter(cfg: RunConfig, device, tokenizer, target, data, features) -> Setup:
     drafter = build_drafter(cfg, target, tokenizer).to(device)
     # The global step: every rank takes batch_size x grad_accum of its sequences (data_parallel.py).
     per_step = cfg.train.batch_size * cfg.train.grad_accum * distributed.world().size
@@ -98,12 +106,14 @@ def planned_step_flops(cfg: RunConfig, target, drafter, sequences: int) -> float
     return step_flops(SimpleNamespace(target=target, drafter=drafter), tokens, labelled)
 
 
-def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = None):
+def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = None, clock: WallClock | None = None):
     """(device, tokenizer, frozen target, tokenised data, features) of `cfg`; also what `flashdraft features` uses.
 
     Offline (`data.features` set, unless `offline=False`): the features are read from there and the target is only
-    its config, embedding and LM head, saved beside them; features is None otherwise.
+    its config, embedding and LM head, saved beside them; features is None otherwise. `clock`: times "target" (the
+    fast-path probe inside it as its own phase) and "data".
     """
+    clock = clock or WallClock()
     hf_logging.disable_progress_bar()  # transformers' per-checkpoint tqdm bars would tear the rich progress bar
     offline = bool(cfg.data.features) if offline is None else offline
     layer_ids = captured_layer_ids(cfg)
@@ -115,21 +125,32 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
     load_on = torch.device("cpu") if cfg.target.shard and distributed.world().size > 1 else device
     torch.manual_seed(cfg.train.seed)
     features = None
-    if offline:
-        features = FeatureStore(cfg.data.features, device=device, s3=cfg.s3)
-        target = features.head_target(layer_ids)
-    else:
-        target = build_target(
-            cfg.target,
-            layer_ids=layer_ids,
-            device=load_on,
-            dtype=dtype,
-            num_features=cfg.drafter.num_layers,
-            final_hidden=cfg.recipe.labels == "target",
-        )
-        if cfg.target.shard:
-            data_parallel.shard_target(target.model, device)
-        target.configure(cfg.target)
+    with clock.phase("target"):
+        if offline:
+            features = FeatureStore(cfg.data.features, device=device, s3=cfg.s3)
+            target = features.head_target(layer_ids)
+        else:
+            target = build_target(
+                cfg.target,
+                layer_ids=layer_ids,
+                device=load_on,
+                dtype=dtype,
+                num_features=cfg.drafter.num_layers,
+                final_hidden=cfg.recipe.labels == "target",
+            )
+            if cfg.target.shard:
+                data_parallel.shard_target(target.model, device)
+            target.configure(cfg.target)
+    if getattr(target, "probe_seconds", None):
+        clock.move("target", "fast-path probe", target.probe_seconds)
+    with clock.phase("data"):
+        tokenizer, data = _tokenized_data(cfg, out, console)
+    if features is not None:
+        features.check_data(data)
+    return device, tokenizer, target, data, features
+
+
+def _tokenized_data(cfg: RunConfig, out: Path, console):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(cfg), trust_remote_code=cfg.target.trust_remote_code)
     sources = bundled.train_data() if cfg.data.train == [bundled.BUNDLED] else cfg.data.train
     # Rank 0 tokenises (or finds the shards already there); the others then reuse its shards.
@@ -149,10 +170,7 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
             tokenizer=tokenizer,
             console=console,
         )
-    data = TokenizedDataset(prepared.path)
-    if features is not None:
-        features.check_data(data)
-    return device, tokenizer, target, data, features
+    return tokenizer, TokenizedDataset(prepared.path)
 
 
 def tokenizer_path(cfg: RunConfig) -> str:

@@ -203,9 +203,17 @@ def test_cli_runs_the_bundled_default_and_reports(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "simulated τ" in out.stdout and "measured τ" in out.stdout
     assert ("training_curve.png" in out.stdout) == PLOT
-    # Time to the first step, once: since the command's start, split into setup and the step itself.
+    # Time to the first step, once: since the command's start, split into setup (by phase) and the step itself.
     first = [line for line in out.stderr.splitlines() if line.startswith("first step after ")]
-    assert len(first) == 1 and " s (setup " in first[0] and "the step itself" in first[0], out.stderr[-2000:]
+    assert len(first) == 1 and "the step itself" in first[0], out.stderr[-2000:]
+    assert all(f"{phase} " in first[0] for phase in ("target", "fast-path probe", "data", "drafter")), first[0]
+    # Where the whole run went: one closing line, and the same in wall_time.json, every phase a run has.
+    assert sum(line.startswith("wall time ") for line in out.stderr.splitlines()) == 1, out.stderr[-2000:]
+    wall = json.loads((tmp_path / "cli" / "wall_time.json").read_text())
+    phases = ["target", "fast-path probe", "data", "drafter", "first step", "checkpoints", "steps", "measured τ"]
+    assert list(wall["phases_s"]) == [*phases, "plot"]  # drawn, or a notice without matplotlib
+    assert all(s >= 0 for s in wall["phases_s"].values()) and wall["other_s"] >= 0
+    assert wall["total_s"] == pytest.approx(sum(wall["phases_s"].values()) + wall["other_s"], abs=0.01)
 
 
 @pytest.mark.parametrize(
