@@ -91,9 +91,10 @@ class PhaseTimer:
 
 def measure(step, device: torch.device, warmup: int, steps: int) -> dict:
     """Run `step(mark)` warmup + steps times; medians of the timed steps, peak memory of the timed steps only. The
-    warm-up steps' walls are kept too: in a new process the first one is what compiling and autotuning cost."""
+    warm-up steps' walls are kept too: in a new process the first one is what compiling and autotuning cost, and
+    its phases say where (the GPU waits for the host's compiles, so its events span them)."""
     timer = PhaseTimer(device)
-    walls, phases, warmup_walls = [], [], []
+    walls, phases, warmup_walls, warmup_phases = [], [], [], []
     for i in range(warmup + steps):
         if i == warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -105,11 +106,13 @@ def measure(step, device: torch.device, warmup: int, steps: int) -> dict:
             phases.append(ms)
         else:
             warmup_walls.append(wall)
+            warmup_phases.append(ms)
     return {
         "step_s": statistics.median(walls),
         "steps_s": walls,
         "warmup_steps_s": warmup_walls,
         "phases_ms": {p: statistics.median(m.get(p, 0.0) for m in phases) for p in PHASES},
+        "first_step_phases_ms": {p: warmup_phases[0].get(p, 0.0) for p in PHASES} if warmup_phases else None,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
     }
 

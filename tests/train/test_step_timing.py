@@ -35,6 +35,9 @@ def test_run_train_step_times_every_phase():
     assert set(result["phases_ms"]) == set(step_timing.PHASES) and all(v > 0 for v in result["phases_ms"].values())
     assert len(result["steps_s"]) == 2 and result["step_s"] >= sum(result["phases_ms"].values()) / 1e3 * 0.5
     assert len(result["warmup_steps_s"]) == 1 and result["warmup_steps_s"][0] > 0  # the untimed step, kept apart
+    first = result["first_step_phases_ms"]  # where a first step's compiles went: its own phases
+    assert set(first) == set(step_timing.PHASES) and all(v > 0 for v in first.values())
+    assert sum(first.values()) / 1e3 <= result["warmup_steps_s"][0]
     assert result["flops"] == step_flops(s, result["seq_tokens"], result["labelled"])
     assert result["mfu"] is None and result["peak_gib"] is None  # no CUDA: no peak rate or memory to report
 
