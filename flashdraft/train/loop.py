@@ -11,6 +11,7 @@ flashdraft/train/distributed.py and data_parallel.py; the loop calls them in a f
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -107,16 +108,15 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
     # than report one or two steps' worth of sequences.
     window: deque = deque(maxlen=cfg.log.every)
     skipped, stopped_by = 0, None
-    loop_started = clock.since_start()
+    # The steps are not timed one by one (a sync per step): they are the loop's time less the phases inside it.
+    loop_started, timed_before = clock.since_start(), sum(clock.seconds.values())
     with metrics.progress(), GracefulStop() as stop:
         metrics.advance(start)
         for step in range(start, s.total_steps):
-            if step == start:
-                with clock.phase("first step"):
-                    stats, tokens, finite = train_step(s, cfg, optimizer, step)
-                _log_first_step(clock)
-            else:
+            with clock.phase("first step") if step == start else contextlib.nullcontext():
                 stats, tokens, finite = train_step(s, cfg, optimizer, step)
+            if step == start:
+                _log_first_step(clock)
             if not finite:
                 if cfg.train.on_nonfinite == "stop":
                     raise TrainingError(
@@ -156,9 +156,8 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
                 break
     metrics.close()
     synchronize()
-    # The steps after the first, less what was timed inside the loop (evaluations, checkpoints, the first step).
-    inside = sum(clock.seconds.get(name, 0.0) for name in ("first step", "measured τ", "checkpoints"))
-    clock.add("steps", clock.since_start() - loop_started - inside)
+    timed_inside = sum(clock.seconds.values()) - timed_before  # the first step, evaluations, checkpoints
+    clock.add("steps", clock.since_start() - loop_started - timed_inside)
     main = distributed.world().is_main
     if stopped_by is not None:
         # No final τ measurement: a stopped job should leave within its grace period.
