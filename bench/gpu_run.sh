@@ -5,9 +5,13 @@
 # Stages (each is the one command shown; CAP_<STAGE> seconds bound it, with '-' for '_' : CAP_TRAIN_STEP=300):
 #   first-step     `flashdraft train` on the bundled default, twice: on a fresh machine the first run is the cold
 #                  figure (compiles, autotuning), the second the warm one; each prints its "first step after" line
+#                  and writes wall_time.json; Triton prints each kernel it autotunes, and the autotuning results
+#                  it cached are kept (autotune/)
+#   first-step-profile  the cold run again under cProfile, in empty Triton and Inductor caches (profile.txt: where
+#                  a cold start's seconds go, by function)
 #   mtp            python -m bench.spec_engine_mtp --layers 64        MTP beside DFlash on the 27B shape
 #   train-step     python -m bench.train_step --seq 3072,32768 --try target.precision=fp8   (naive trainer included)
-#   long           python -m bench.train_step --seq 65536,131072 --try target.precision=fp8
+#   long           python -m bench.train_step --seq 65536,131072 --warmup 1 --steps 2 --try target.precision=fp8
 #   feature-error  python -m bench.feature_error                      FP8 against bf16 features, per captured layer
 #   drafter        examples/tiny_target/pipeline.sh on the bundled target: corpus, regeneration, the drafter
 #                  fine-tuned from the bundled one (DRAFTER_ARGS, default drafter.init_from=bundled; REGEN_*),
@@ -48,7 +52,7 @@ printf 'stage\tseconds\texit\n' > "$OUT/stages.tsv"
 
 default_cap() {
   case $1 in
-    first-step) echo 400 ;; mtp) echo 480 ;; train-step) echo 480 ;; long) echo 540 ;; feature-error) echo 240 ;;
+    first-step) echo 400 ;; first-step-profile) echo 240 ;; mtp) echo 480 ;; train-step) echo 480 ;; long) echo 540 ;; feature-error) echo 240 ;;
     drafter) echo 1500 ;; sweep) echo 1500 ;; *) echo 600 ;;
   esac
 }
@@ -71,13 +75,23 @@ stage_command() {
   local name=$1 dir=$2
   case $name in
     first-step)
-      echo "TIMEFORMAT='%R s wall'; for run in cold warm; do time $FD train log.out=$dir/\$run; done" ;;
+      echo "TIMEFORMAT='%R s wall'; export TRITON_PRINT_AUTOTUNING=1;" \
+        "for run in cold warm; do time $FD train log.out=$dir/\$run; done;" \
+        "mkdir -p $dir/autotune && find \${TRITON_CACHE_DIR:-\$HOME/.triton/cache} -name '*.autotune.json'" \
+        "-exec cp --backup=numbered {} $dir/autotune/ \\;" ;;
+    first-step-profile)
+      echo "export TRITON_CACHE_DIR=\$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=\$(mktemp -d)" \
+        "MPLCONFIGDIR=\$(mktemp -d) TRITON_PRINT_AUTOTUNING=1;" \
+        "python3 -m cProfile -o $dir/profile.out -m flashdraft train log.out=$dir/run;" \
+        "python3 -c \"import pstats; pstats.Stats('$dir/profile.out').sort_stats('cumulative').print_stats(80)\"" \
+        "> $dir/profile.txt" ;;
     mtp)
       echo "python3 -m bench.spec_engine_mtp --layers 64 --json $dir/spec-engine-mtp.json" ;;
     train-step)
       echo "python3 -m bench.train_step --seq 3072,32768 --try target.precision=fp8 --json $dir/train-step.json" ;;
     long)
-      echo "python3 -m bench.train_step --seq 65536,131072 --try target.precision=fp8 --json $dir/train-step-long.json" ;;
+      echo "python3 -m bench.train_step --seq 65536,131072 --warmup 1 --steps 2 --try target.precision=fp8" \
+        "--json $dir/train-step-long.json" ;;
     feature-error)
       echo "python3 -m bench.feature_error --json $dir/feature-error.json" ;;
     drafter)
@@ -91,7 +105,7 @@ stage_command() {
       echo "python3 examples/tiny_target/sweep.py --out $dir ${SWEEP_ARGS:-} --data" \
         "${SWEEP_DATA:-$OUT/drafter/build/regen_t0.jsonl $OUT/drafter/build/regen_t1.jsonl}" ;;
     *)
-      echo "echo 'unknown stage $name (first-step mtp train-step long feature-error drafter sweep)'; exit 2" ;;
+      echo "echo 'unknown stage $name (first-step first-step-profile mtp train-step long feature-error drafter sweep)'; exit 2" ;;
   esac
 }
 

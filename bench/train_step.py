@@ -208,6 +208,7 @@ def fbench_peak(device: str):
 def run_flashdraft(target, d, seq, device, warmup, steps, overrides, label="flashdraft") -> dict:
     cfg = flashdraft_config(d, seq, device, overrides)
     s = None
+    compiled_before = compile_seconds()
     try:
         start = time.perf_counter()
         s = step_timing.bench_setup(cfg, target, steps=warmup + steps)
@@ -216,10 +217,23 @@ def run_flashdraft(target, d, seq, device, warmup, steps, overrides, label="flas
         # From the loaded target to the end of the first step: the drafter's build and compile, the first step's
         # compiles and autotuning (cold only for the first variant of a shape in a new process).
         result.update(setup_s=setup_s, first_step_after_s=setup_s + (result["warmup_steps_s"] or result["steps_s"])[0])
+        after = compile_seconds()
+        result["compile_s"] = {k: round(v - compiled_before.get(k, 0.0), 2) for k, v in after.items()}
     except torch.cuda.OutOfMemoryError as exc:
         result = oom_row(label, seq, exc)
     free(s)
     return {**result, "variant": label, "seq": seq, "overrides": overrides}
+
+
+def compile_seconds() -> dict:
+    """torch.compile's seconds so far in this process, by phase (Dynamo's own counters: tracing, Inductor, the
+    wait for its parallel Triton compiles), for where a first step's time goes; {} where torch lacks them."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        return dict(calculate_time_spent())
+    except (ImportError, AttributeError):
+        return {}
 
 
 def precision_of(d: naive.Dims, device: str, overrides: list[str]) -> str:

@@ -30,7 +30,7 @@ from flashdraft.io.atomic import atomic_write_text
 from flashdraft.train import data_parallel, distributed
 from flashdraft.train.blocks import before_labels
 from flashdraft.train.checkpoint import CheckpointManager
-from flashdraft.train.compile import static_shapes
+from flashdraft.train.compile import compile_enabled, static_shapes
 from flashdraft.train.flops import step_flops
 from flashdraft.train.loss import Objective, dflash_loss
 from flashdraft.train.masks import attention_kind, drafter_mask
@@ -240,6 +240,8 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
     # Static shapes: the drafter sees data.max_length positions and recipe.num_anchors blocks in every micro-batch
     # (the target still runs on the real width; its features are padded after).
     width = cfg.data.max_length if static_shapes(cfg.train.static_shapes, cfg.train.compile, s.device) else None
+    # The loss's softmax math is compiled with the drafter: a run too short for one compile pays for neither.
+    compile_loss = compile_enabled(cfg.train.compile, s.device)
     indices = step_indices(s, cfg, step)
     micro = [collate(s.data, idx, s.device) for idx in indices]
     epoch = step // s.steps_per_epoch
@@ -281,6 +283,7 @@ def train_step(s: Setup, cfg: RunConfig, optimizer, step: int, mark=None):
             denominator=denominator,
             objective=objective,
             teacher_hidden=teacher_hidden,
+            compile_chunks=compile_loss,
         )
         mark("loss")
         loss.backward()

@@ -141,20 +141,20 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     Returns (ℓ, confidence, argmax hits), each (N,); only ℓ is differentiable. The confidence is the drafter's
     probability of the label, or with `teacher` the acceptance rate Σ min(p, q). Only one (chunk, V) block of logits
-    (two with `teacher`) exists at a time. The head W is frozen: no gradient for it. On CUDA the per-chunk softmax
-    math is compiled (fused); elsewhere it runs eagerly. `eta`: None for cross-entropy / KL, else the LK loss's η.
+    (two with `teacher`) exists at a time. The head W is frozen: no gradient for it. `compile_chunks`: compile the
+    per-chunk softmax math (fused), by default on CUDA only; eager, no compile is paid for. `eta`: None for cross-entropy / KL, else the LK loss's η.
     `teacher`: (N, D) the target's final hidden states before each label, whose logits through the same head give
     the distribution p the rows are trained against (`_chunk_soft`); None trains against the label tokens.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, eta, teacher=None):
+    def forward(ctx, hidden, weight, labels, chunk_size, eta, teacher=None, compile_chunks=None):
         # Autocast would re-cast the chunk matmuls; the dtypes here are chosen explicitly.
         with torch.autocast(hidden.device.type, enabled=False):
             compute_dtype = torch.promote_types(weight.dtype, torch.float32)
             need_grad = ctx.needs_input_grad[0]
             chunk_fn = _chunk_ce if teacher is None else _chunk_soft
-            if hidden.is_cuda:
+            if hidden.is_cuda if compile_chunks is None else compile_chunks:
                 chunk_fn = _compiled(chunk_fn)
             rows = hidden.shape[0]
             token_loss = torch.empty(rows, dtype=compute_dtype, device=hidden.device)
@@ -179,7 +179,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_confidence, _grad_correct):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype)[:, None], None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype)[:, None], None, None, None, None, None, None
 
 
 def dflash_loss(
@@ -193,6 +193,7 @@ def dflash_loss(
     denominator: torch.Tensor | float | None = None,
     objective: Objective = PAPER,
     teacher_hidden: torch.Tensor | None = None,
+    compile_chunks: bool | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """Weighted token losses of drafter hidden states through the frozen LM head, never all logits at once.
 
@@ -208,6 +209,8 @@ def dflash_loss(
         teacher_hidden: (B, Q, D) the target's final hidden state at the position before each label
             (`recipe.labels: target`): the rows learn the target's whole next-token distribution there (KL, or LK
             against it) instead of the label token; the hits and accepted runs still count the label tokens.
+        compile_chunks: torch.compile the per-chunk softmax math (default: on CUDA). A short run passes False:
+            compiling costs seconds on a fresh machine that its steps never win back.
 
     Returns:
         loss = Σ w·ℓ / denominator (0 when nothing is labelled), and `LossStats` (detached counts).
@@ -223,7 +226,13 @@ def dflash_loss(
     sum_dtype = torch.promote_types(torch.promote_types(weights.dtype, lm_head_weight.dtype), torch.float32)
     teacher = None if teacher_hidden is None else teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[rows]
     token_loss, confidence, correct = LinearCrossEntropyFunction.apply(
-        flat_hidden[rows], lm_head_weight, labels.reshape(-1)[rows], chunk_size, objective.eta, teacher
+        flat_hidden[rows],
+        lm_head_weight,
+        labels.reshape(-1)[rows],
+        chunk_size,
+        objective.eta,
+        teacher,
+        compile_chunks,
     )
     if objective.weighting == "dpace":
         by_position = torch.zeros(labels.numel(), dtype=sum_dtype, device=labels.device)

@@ -278,3 +278,18 @@ def test_compiled_chunk_math_equals_eager_on_gpu():
                 torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-4)
                 assert torch.equal(got[2], want[2])
                 torch.testing.assert_close(got[3].float(), want[3].float(), rtol=1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("compile_chunks, compiles", [(True, True), (False, False), (None, False)])
+def test_compile_chunks_decides_whether_the_chunk_math_is_compiled(monkeypatch, compile_chunks, compiles):
+    """On this CPU, None means eager (compiling is for CUDA); True compiles, False never does. The stand-in for
+    torch.compile records its calls and returns the function itself, so the loss must equal the reference too."""
+    from flashdraft.train.loss import fused
+
+    calls = []
+    monkeypatch.setattr(fused, "_compiled", lambda fn: calls.append(fn.__name__) or fn)
+    hidden, weight, labels, weights = random_loss_inputs()
+    loss, _ = dflash_loss(hidden, weight, labels, weights, block_size=5, chunk_size=7, compile_chunks=compile_chunks)
+    assert calls == (["_chunk_ce"] if compiles else [])
+    ref, _ = reference_loss(hidden.detach(), weight, labels, weights, block_size=5)
+    torch.testing.assert_close(loss.detach(), ref, rtol=1e-12, atol=0)
