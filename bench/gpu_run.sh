@@ -12,6 +12,7 @@
 #   mtp            python -m bench.spec_engine_mtp --layers 64        MTP beside DFlash on the 27B shape
 #   train-step     python -m bench.train_step --seq 3072,32768 --try target.precision=fp8   (naive trainer included)
 #   long           python -m bench.train_step --seq 65536,131072 --warmup 1 --steps 2 --try target.precision=fp8
+#                  (LONG_SEQS: other lengths)
 #   feature-error  python -m bench.feature_error                      FP8 against bf16 features, per captured layer
 #   drafter        examples/tiny_target/pipeline.sh on the bundled target: corpus, regeneration, the drafter
 #                  fine-tuned from the bundled one (DRAFTER_ARGS, default drafter.init_from=bundled; REGEN_*),
@@ -90,7 +91,7 @@ stage_command() {
     train-step)
       echo "python3 -m bench.train_step --seq 3072,32768 --try target.precision=fp8 --json $dir/train-step.json" ;;
     long)
-      echo "python3 -m bench.train_step --seq 65536,131072 --warmup 1 --steps 2 --try target.precision=fp8" \
+      echo "python3 -m bench.train_step --seq ${LONG_SEQS:-65536,131072} --warmup 1 --steps 2 --try target.precision=fp8" \
         "--json $dir/train-step-long.json" ;;
     feature-error)
       echo "python3 -m bench.feature_error --json $dir/feature-error.json" ;;
