@@ -5,8 +5,11 @@
 # Stages (each is the one command shown; CAP_<STAGE> seconds bound it, with '-' for '_' : CAP_TRAIN_STEP=300):
 #   first-step     `flashdraft train` on the bundled default, twice: on a fresh machine the first run is the cold
 #                  figure (compiles, autotuning), the second the warm one; each prints its "first step after" line
-#                  and writes wall_time.json; Triton prints each kernel it autotunes, and the autotuning results
-#                  it cached are kept (autotune/)
+#                  and writes wall_time.json; Triton prints each kernel it autotunes, and the choices are kept as
+#                  <GPU>.json (bench/kernel_configs.py: flashdraft/kernels/tuned/ ships such files)
+#   first-step-shipped  the bundled default in empty Triton, Inductor and Matplotlib caches, with the kernel choices
+#                  the first-step stage kept placed in flashdraft/kernels/tuned/ (what a fresh machine gets once
+#                  they ship), cold then warm
 #   first-step-profile  the cold run again under cProfile, in empty Triton and Inductor caches (profile.txt: where
 #                  a cold start's seconds go, by function)
 #   mtp            python -m bench.spec_engine_mtp --layers 64        MTP beside DFlash on the 27B shape
@@ -53,7 +56,7 @@ printf 'stage\tseconds\texit\n' > "$OUT/stages.tsv"
 
 default_cap() {
   case $1 in
-    first-step) echo 400 ;; first-step-profile) echo 240 ;; mtp) echo 480 ;; train-step) echo 480 ;; long) echo 540 ;; feature-error) echo 240 ;;
+    first-step) echo 400 ;; first-step-shipped) echo 200 ;; first-step-profile) echo 240 ;; mtp) echo 480 ;; train-step) echo 480 ;; long) echo 540 ;; feature-error) echo 240 ;;
     drafter) echo 1500 ;; sweep) echo 1500 ;; *) echo 600 ;;
   esac
 }
@@ -78,8 +81,11 @@ stage_command() {
     first-step)
       echo "TIMEFORMAT='%R s wall'; export TRITON_PRINT_AUTOTUNING=1;" \
         "for run in cold warm; do time $FD train log.out=$dir/\$run; done;" \
-        "mkdir -p $dir/autotune && find \${TRITON_CACHE_DIR:-\$HOME/.triton/cache} -name '*.autotune.json'" \
-        "-exec cp --backup=numbered {} $dir/autotune/ \\;" ;;
+        "python3 -m bench.kernel_configs \${TRITON_CACHE_DIR:-\$HOME/.triton/cache} --out $dir" ;;
+    first-step-shipped)
+      echo "cp $OUT/first-step/*.json flashdraft/kernels/tuned/ &&" \
+        "export TRITON_CACHE_DIR=\$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=\$(mktemp -d) MPLCONFIGDIR=\$(mktemp -d)" \
+        "TRITON_PRINT_AUTOTUNING=1 TIMEFORMAT='%R s wall'; for run in cold warm; do time $FD train log.out=$dir/\$run; done" ;;
     first-step-profile)
       echo "export TRITON_CACHE_DIR=\$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=\$(mktemp -d)" \
         "MPLCONFIGDIR=\$(mktemp -d) TRITON_PRINT_AUTOTUNING=1;" \
@@ -106,7 +112,7 @@ stage_command() {
       echo "python3 examples/tiny_target/sweep.py --out $dir ${SWEEP_ARGS:-} --data" \
         "${SWEEP_DATA:-$OUT/drafter/build/regen_t0.jsonl $OUT/drafter/build/regen_t1.jsonl}" ;;
     *)
-      echo "echo 'unknown stage $name (first-step first-step-profile mtp train-step long feature-error drafter sweep)'; exit 2" ;;
+      echo "echo 'unknown stage $name (first-step first-step-shipped first-step-profile mtp train-step long feature-error drafter sweep)'; exit 2" ;;
   esac
 }
 

@@ -95,6 +95,11 @@ class _OriginalView:
 def patch_model(model: torch.nn.Module, conv_backend: str = "auto") -> str | None:
     """Patch every linear-attention layer of `model`; return its transformers generation (None: no such layers)."""
     layers = linear_attention_layers(model)
+    if layers:
+        # Before any of their kernels runs: the autotuning choices shipped for this GPU (a fresh machine's minute).
+        from flashdraft.kernels import tuned
+
+        tuned.apply(next(model.parameters()).device)
     backends_by_module: dict[str, dict] = {}
     generation = None
     for _, layer in layers:

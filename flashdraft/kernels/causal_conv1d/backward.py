@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdraft.kernels import tuned
 from flashdraft.kernels.causal_conv1d.forward import (
     INTERPRET,
     _empty_like_output,
@@ -711,6 +712,8 @@ def _tuned_kernel(kind: str, elem_size: int):
             # Triton's disk cache of autotune results (beside its kernel cache): a new process skips the timing.
             cache_results=True,
         )(fn)
+        # And on a fresh machine, the choices shipped for this GPU (kernels/tuned.py) where they cover the shape.
+        tuned.fill(_tuned[key])
     return _tuned[key]
 
 

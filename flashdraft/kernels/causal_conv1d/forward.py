@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdraft.kernels import tuned
+
 
 def _empty_like_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, channel_last: bool = False):
     """Allocates a kernel output `[B, D, L]` (or any shape when not channel_last), uninitialised.
@@ -399,6 +401,8 @@ def _tuned_kernel(kind: str, elem_size: int):
             # Triton's disk cache of autotune results (beside its kernel cache): a new process skips the timing.
             cache_results=True,
         )(fn)
+        # And on a fresh machine, the choices shipped for this GPU (kernels/tuned.py) where they cover the shape.
+        tuned.fill(_tuned[key])
     return _tuned[key]
 
 
