@@ -9,7 +9,7 @@
 #                  <GPU>.json (bench/kernel_configs.py: flashdraft/kernels/tuned/ ships such files)
 #   first-step-shipped  the bundled default in empty Triton, Inductor and Matplotlib caches, with the kernel choices
 #                  the first-step stage kept placed in flashdraft/kernels/tuned/ (what a fresh machine gets once
-#                  they ship), cold then warm
+#                  they ship)
 #   first-step-profile  the cold run again under cProfile, in empty Triton and Inductor caches (profile.txt: where
 #                  a cold start's seconds go, by function)
 #   mtp            python -m bench.spec_engine_mtp --layers 64        MTP beside DFlash on the 27B shape
@@ -85,7 +85,7 @@ stage_command() {
     first-step-shipped)
       echo "cp $OUT/first-step/*.json flashdraft/kernels/tuned/ &&" \
         "export TRITON_CACHE_DIR=\$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=\$(mktemp -d) MPLCONFIGDIR=\$(mktemp -d)" \
-        "TRITON_PRINT_AUTOTUNING=1 TIMEFORMAT='%R s wall'; for run in cold warm; do time $FD train log.out=$dir/\$run; done" ;;
+        "TRITON_PRINT_AUTOTUNING=1 TIMEFORMAT='%R s wall'; time $FD train log.out=$dir/cold" ;;
     first-step-profile)
       echo "export TRITON_CACHE_DIR=\$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=\$(mktemp -d)" \
         "MPLCONFIGDIR=\$(mktemp -d) TRITON_PRINT_AUTOTUNING=1;" \
