@@ -6,7 +6,8 @@
 #   first-step     `flashdraft train` on the bundled default, twice: on a fresh machine the first run is the cold
 #                  figure (compiles, autotuning), the second the warm one; each prints its "first step after" line
 #                  and writes wall_time.json; Triton prints each kernel it autotunes, and the choices are kept as
-#                  <GPU>.json (bench/kernel_configs.py: flashdraft/kernels/tuned/ ships such files)
+#                  <GPU>.json (bench/kernel_configs.py: flashdraft/kernels/tuned/ ships such files);
+#                  FIRST_STEP_RUNS=cold skips the warm run
 #   first-step-shipped  the bundled default in empty Triton, Inductor and Matplotlib caches, with the kernel choices
 #                  the first-step stage kept placed in flashdraft/kernels/tuned/ (what a fresh machine gets once
 #                  they ship)
@@ -80,7 +81,7 @@ stage_command() {
   case $name in
     first-step)
       echo "TIMEFORMAT='%R s wall'; export TRITON_PRINT_AUTOTUNING=1;" \
-        "for run in cold warm; do time $FD train log.out=$dir/\$run; done;" \
+        "for run in ${FIRST_STEP_RUNS:-cold warm}; do time $FD train log.out=$dir/\$run; done;" \
         "python3 -m bench.kernel_configs \${TRITON_CACHE_DIR:-\$HOME/.triton/cache} --out $dir" ;;
     first-step-shipped)
       echo "cp $OUT/first-step/*.json flashdraft/kernels/tuned/ &&" \
