@@ -111,8 +111,10 @@ def _module_autotuners():
         if module is None or not (name == "fla" or name.startswith("fla.")):
             continue
         for value in list(vars(module).values()):
-            while value is not None and not isinstance(value, Autotuner) and hasattr(value, "fn"):
-                value = value.fn  # a Heuristics around the autotuner
+            for _ in range(3):  # through Heuristics (and the like) wrapped around the autotuner
+                if isinstance(value, Autotuner) or not hasattr(value, "fn"):
+                    break
+                value = value.fn
             if isinstance(value, Autotuner) and id(value) not in seen:
                 seen.add(id(value))
                 yield value
