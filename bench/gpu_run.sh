@@ -13,6 +13,8 @@
 #                  they ship)
 #   first-step-profile  the cold run again under cProfile, in empty Triton and Inductor caches (profile.txt: where
 #                  a cold start's seconds go, by function)
+#   first-step-27b python -m bench.train_step --seq 3072 --skip-naive --warmup 1 --steps 2: on a fresh machine, the
+#                  27B shape's cold first step, its phases and torch.compile's seconds (compile_s in the JSON)
 #   mtp            python -m bench.spec_engine_mtp --layers 64        MTP beside DFlash on the 27B shape
 #   train-step     python -m bench.train_step --seq 3072,32768 --try target.precision=fp8   (naive trainer included)
 #   long           python -m bench.train_step --seq 65536,131072 --warmup 1 --steps 2 --try target.precision=fp8
@@ -57,7 +59,8 @@ printf 'stage\tseconds\texit\n' > "$OUT/stages.tsv"
 
 default_cap() {
   case $1 in
-    first-step) echo 400 ;; first-step-shipped) echo 200 ;; first-step-profile) echo 240 ;; mtp) echo 480 ;; train-step) echo 480 ;; long) echo 540 ;; feature-error) echo 240 ;;
+    first-step) echo 400 ;; first-step-shipped) echo 200 ;; first-step-profile) echo 240 ;; first-step-27b) echo 420 ;;
+    mtp) echo 480 ;; train-step) echo 480 ;; long) echo 540 ;; feature-error) echo 240 ;;
     drafter) echo 1500 ;; sweep) echo 1500 ;; *) echo 600 ;;
   esac
 }
@@ -93,6 +96,9 @@ stage_command() {
         "python3 -m cProfile -o $dir/profile.out -m flashdraft train log.out=$dir/run;" \
         "python3 -c \"import pstats; pstats.Stats('$dir/profile.out').sort_stats('cumulative').print_stats(80)\"" \
         "> $dir/profile.txt" ;;
+    first-step-27b)
+      echo "python3 -m bench.train_step --seq 3072 --skip-naive --warmup 1 --steps 2" \
+        "--json $dir/train-step-cold.json" ;;
     mtp)
       echo "python3 -m bench.spec_engine_mtp --layers 64 --json $dir/spec-engine-mtp.json" ;;
     train-step)
@@ -113,7 +119,7 @@ stage_command() {
       echo "python3 examples/tiny_target/sweep.py --out $dir ${SWEEP_ARGS:-} --data" \
         "${SWEEP_DATA:-$OUT/drafter/build/regen_t0.jsonl $OUT/drafter/build/regen_t1.jsonl}" ;;
     *)
-      echo "echo 'unknown stage $name (first-step first-step-shipped first-step-profile mtp train-step long feature-error drafter sweep)'; exit 2" ;;
+      echo "echo 'unknown stage $name (see the list at the top of bench/gpu_run.sh)'; exit 2" ;;
   esac
 }
 
