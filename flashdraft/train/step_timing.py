@@ -183,15 +183,18 @@ def machine() -> dict:
 
 def table(rows: list[dict]) -> str:
     """One line per result: variant, seq, s/step, tok/s, MFU, peak, seconds from the loaded target to the end of the
-    first step (where the row has it), then the phase breakdown in ms."""
-    head = f"{'variant':22s} {'seq':>6s} {'s/step':>7s} {'tok/s':>8s} {'MFU':>6s} {'peak GiB':>8s} {'1st step':>8s}  "
+    first step and of torch.compile inside them (where the row has them), then the phase breakdown in ms."""
+    head = f"{'variant':22s} {'seq':>6s} {'s/step':>7s} {'tok/s':>8s} {'MFU':>6s} {'peak GiB':>8s} {'1st step':>8s} "
+    head += f"{'compile':>8s}  "
     lines = [head + "  ".join(f"{p:>11s}" for p in PHASES)]
     for r in rows:
         mfu = f"{r['mfu'] * 100:5.1f}%" if r.get("mfu") is not None else "    -"
         peak = f"{r['peak_gib']:8.1f}" if r.get("peak_gib") is not None else "       -"
         first = f"{r['first_step_after_s']:7.1f}s" if r.get("first_step_after_s") is not None else "       -"
+        compiled = r.get("compile_s", {}).get("total_wall_time")
+        compiled = f"{compiled:7.1f}s" if compiled is not None else "       -"
         lines.append(
-            f"{r['variant']:22s} {r['seq']:6d} {r['step_s']:7.3f} {r['tok_s']:8.0f} {mfu:>6s} {peak} {first}  "
+            f"{r['variant']:22s} {r['seq']:6d} {r['step_s']:7.3f} {r['tok_s']:8.0f} {mfu:>6s} {peak} {first} {compiled}  "
             + "  ".join(f"{r['phases_ms'][p]:11.1f}" for p in PHASES)
         )
     return "\n".join(lines)
