@@ -52,7 +52,8 @@ def load(name: str) -> dict[str, list[dict]]:
 
 
 def apply(device: torch.device | str) -> int:
-    """Fill every autotuner of the loaded fla kernel modules with the choices shipped for `device`'s GPU. Returns how many (kernel, key) choices were placed; 0 off CUDA, without a file or when turned off."""
+    """Fill every autotuner of the loaded fla kernel modules with the choices shipped for `device`'s GPU. Returns
+    how many (kernel, key) choices were placed; 0 off CUDA, without a file or when turned off."""
     device = torch.device(device)
     if device.type != "cuda" or not enabled():
         return 0

@@ -194,7 +194,8 @@ def table(rows: list[dict]) -> str:
         compiled = r.get("compile_s", {}).get("total_wall_time")
         compiled = f"{compiled:7.1f}s" if compiled is not None else "       -"
         lines.append(
-            f"{r['variant']:22s} {r['seq']:6d} {r['step_s']:7.3f} {r['tok_s']:8.0f} {mfu:>6s} {peak} {first} {compiled}  "
+            f"{r['variant']:22s} {r['seq']:6d} {r['step_s']:7.3f} {r['tok_s']:8.0f} {mfu:>6s} {peak} {first} "
+            + f"{compiled}  "
             + "  ".join(f"{r['phases_ms'][p]:11.1f}" for p in PHASES)
         )
     return "\n".join(lines)

@@ -142,8 +142,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     Returns (ℓ, confidence, argmax hits), each (N,); only ℓ is differentiable. The confidence is the drafter's
     probability of the label, or with `teacher` the acceptance rate Σ min(p, q). Only one (chunk, V) block of logits
     (two with `teacher`) exists at a time. The head W is frozen: no gradient for it. `compile_chunks`: compile the
-    per-chunk softmax math (fused), by default on CUDA only; eager, no compile is paid for. `eta`: None for cross-entropy / KL, else the LK loss's η.
-    `teacher`: (N, D) the target's final hidden states before each label, whose logits through the same head give
+    per-chunk softmax math (fused); by default on CUDA only.
+    `eta`: None for cross-entropy / KL, else the LK loss's η. `teacher`: (N, D) the target's final hidden states before each label, whose logits through the same head give
     the distribution p the rows are trained against (`_chunk_soft`); None trains against the label tokens.
     """
 
