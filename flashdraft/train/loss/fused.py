@@ -143,8 +143,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     probability of the label, or with `teacher` the acceptance rate Σ min(p, q). Only one (chunk, V) block of logits
     (two with `teacher`) exists at a time. The head W is frozen: no gradient for it. `compile_chunks`: compile the
     per-chunk softmax math (fused); by default on CUDA only.
-    `eta`: None for cross-entropy / KL, else the LK loss's η. `teacher`: (N, D) the target's final hidden states before each label, whose logits through the same head give
-    the distribution p the rows are trained against (`_chunk_soft`); None trains against the label tokens.
+    `eta`: None for cross-entropy / KL, else the LK loss's η. `teacher`: (N, D) the target's final hidden states
+    before each label, whose logits through the same head give the distribution p the rows are trained against
+    (`_chunk_soft`); None trains against the label tokens.
     """
 
     @staticmethod
