@@ -79,6 +79,9 @@ run_stage() {
   tail -25 "$dir/log.txt"
 }
 
+# A fresh machine's caches, on this one: Triton's kernels and autotuning, Inductor's graphs, Matplotlib's fonts.
+EMPTY_CACHES="export TRITON_CACHE_DIR=\$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=\$(mktemp -d) MPLCONFIGDIR=\$(mktemp -d);"
+
 stage_command() {
   local name=$1 dir=$2
   case $name in
@@ -87,12 +90,10 @@ stage_command() {
         "for run in ${FIRST_STEP_RUNS:-cold warm}; do time $FD train log.out=$dir/\$run; done;" \
         "python3 -m bench.kernel_configs \${TRITON_CACHE_DIR:-\$HOME/.triton/cache} --out $dir" ;;
     first-step-shipped)
-      echo "cp $OUT/first-step/*.json flashdraft/kernels/tuned/ &&" \
-        "export TRITON_CACHE_DIR=\$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=\$(mktemp -d) MPLCONFIGDIR=\$(mktemp -d)" \
-        "TRITON_PRINT_AUTOTUNING=1 TIMEFORMAT='%R s wall'; time $FD train log.out=$dir/cold" ;;
+      echo "cp $OUT/first-step/*.json flashdraft/kernels/tuned/ && $EMPTY_CACHES" \
+        "export TRITON_PRINT_AUTOTUNING=1 TIMEFORMAT='%R s wall'; time $FD train log.out=$dir/cold" ;;
     first-step-profile)
-      echo "export TRITON_CACHE_DIR=\$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=\$(mktemp -d)" \
-        "MPLCONFIGDIR=\$(mktemp -d) TRITON_PRINT_AUTOTUNING=1;" \
+      echo "$EMPTY_CACHES export TRITON_PRINT_AUTOTUNING=1;" \
         "python3 -m cProfile -o $dir/profile.out -m flashdraft train log.out=$dir/run;" \
         "python3 -c \"import pstats; pstats.Stats('$dir/profile.out').sort_stats('cumulative').print_stats(80)\"" \
         "> $dir/profile.txt" ;;

@@ -16,6 +16,7 @@ is autotuned as before. FLASHDRAFT_SHIPPED_TUNING=0 turns this off.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -42,8 +43,10 @@ def enabled() -> bool:
     return os.environ.get("FLASHDRAFT_SHIPPED_TUNING", "1") != "0"
 
 
+@functools.cache
 def load(name: str) -> dict[str, list[dict]]:
-    """{kernel name: [{"key": [...], "config": {...}}, ...]} shipped for the GPU called `name` ({} if none)."""
+    """{kernel name: [{"key": [...], "config": {...}}, ...]} shipped for the GPU called `name` ({} if none). Read
+    once per process (every patched model and every conv autotuner asks); treat it as read-only."""
     path = gpu_file(name)
     if not path.is_file():
         return {}
@@ -134,8 +137,7 @@ def export(autotune_files: list[Path], gpu: str, triton_version: str, keep: dict
         with open(path) as fh:
             data = json.load(fh)
         name = path.name.split(".autotune.json")[0]
-        timings = [(config, timing) for config, timing in data["configs_timings"]]
-        best = min(timings, key=lambda pair: pair[1])[0]
+        best = min(data["configs_timings"], key=lambda pair: pair[1])[0]
         entry = {
             "key": data["key"],
             "config": {"kwargs": best["kwargs"], **{f: best.get(f) for f in CONFIG_FIELDS}},
