@@ -13,8 +13,9 @@
 #                  they ship)
 #   first-step-profile  the cold run again under cProfile, in empty Triton and Inductor caches (profile.txt: where
 #                  a cold start's seconds go, by function)
-#   first-step-27b python -m bench.train_step --seq 3072 --skip-naive --warmup 1 --steps 2: on a fresh machine, the
-#                  27B shape's cold first step, its phases and torch.compile's seconds (compile_s in the JSON)
+#   first-step-27b python -m bench.train_step --seq 3072 --skip-naive --warmup 1 --steps 2 in empty Triton and
+#                  Inductor caches: the 27B shape's cold first step, its phases, torch.compile's seconds and each
+#                  compiled frame's (compile_s, compile_frames in the JSON)
 #   mtp            python -m bench.spec_engine_mtp --layers 64        MTP beside DFlash on the 27B shape
 #   train-step     python -m bench.train_step --seq 3072,32768 --try target.precision=fp8   (naive trainer included)
 #   long           python -m bench.train_step --seq 65536,131072 --warmup 1 --steps 2 --try target.precision=fp8
@@ -98,8 +99,8 @@ stage_command() {
         "python3 -c \"import pstats; pstats.Stats('$dir/profile.out').sort_stats('cumulative').print_stats(80)\"" \
         "> $dir/profile.txt" ;;
     first-step-27b)
-      echo "python3 -m bench.train_step --seq 3072 --skip-naive --warmup 1 --steps 2" \
-        "--json $dir/train-step-cold.json" ;;
+      echo "$EMPTY_CACHES export TORCH_LOGS=recompiles;" \
+        "python3 -m bench.train_step --seq 3072 --skip-naive --warmup 1 --steps 2 --json $dir/train-step-cold.json" ;;
     mtp)
       echo "python3 -m bench.spec_engine_mtp --layers 64 --json $dir/spec-engine-mtp.json" ;;
     train-step)

@@ -209,6 +209,7 @@ def run_flashdraft(target, d, seq, device, warmup, steps, overrides, label="flas
     cfg = flashdraft_config(d, seq, device, overrides)
     s = None
     compiled_before = compile_seconds()
+    frames_before = compile_frames()
     try:
         start = time.perf_counter()
         s = step_timing.bench_setup(cfg, target, steps=warmup + steps)
@@ -219,6 +220,7 @@ def run_flashdraft(target, d, seq, device, warmup, steps, overrides, label="flas
         result.update(setup_s=setup_s, first_step_after_s=setup_s + (result["warmup_steps_s"] or result["steps_s"])[0])
         after = compile_seconds()
         result["compile_s"] = {k: round(v - compiled_before.get(k, 0.0), 2) for k, v in after.items()}
+        result["compile_frames"] = compile_frames()[len(frames_before) :]
     except torch.cuda.OutOfMemoryError as exc:
         result = oom_row(label, seq, exc)
     free(s)
@@ -234,6 +236,37 @@ def compile_seconds() -> dict:
         return dict(calculate_time_spent())
     except (ImportError, AttributeError):
         return {}
+
+
+def compile_frames() -> list[dict]:
+    """Every frame torch.compile compiled so far in this process (a backward compiled at its first call counts as
+    its own), in order: where it starts, its seconds in all and in Inductor, and Triton's compile and autotuning
+    inside them; [] where torch lacks these records. Which graph a slow first step spends its compile on."""
+    try:
+        from torch._dynamo import utils
+
+        utils.set_compilation_metrics_limit(4096)  # the default keeps the last 64
+        metrics = utils.get_compilation_metrics()
+    except (ImportError, AttributeError):
+        return []
+
+    def seconds(us):
+        return None if us is None else round(us / 1e6, 3)
+
+    return [
+        {
+            "frame": f"{m.co_name} {os.path.basename(m.co_filename or '')}:{m.co_firstlineno}",
+            "compile_id": m.compile_id,
+            "runtime": m.is_runtime,
+            "s": seconds(m.duration_us),
+            "inductor_s": m.inductor_compile_time_s,
+            "triton_compile_s": seconds(m.triton_compile_time_us),
+            "triton_autotune_s": seconds(m.runtime_triton_autotune_time_us),
+            "graph_ops": m.graph_op_count,
+            "fail": m.fail_reason,
+        }
+        for m in metrics
+    ]
 
 
 def precision_of(d: naive.Dims, device: str, overrides: list[str]) -> str:
