@@ -15,7 +15,8 @@
 #                  a cold start's seconds go, by function)
 #   first-step-27b python -m bench.train_step --seq 3072 --skip-naive --warmup 1 --steps 2 in empty Triton and
 #                  Inductor caches: the 27B shape's cold first step, its phases, torch.compile's seconds and each
-#                  compiled frame's (compile_s, compile_frames in the JSON)
+#                  compiled frame's (compile_s, compile_frames in the JSON); its autotuning choices kept as
+#                  <GPU>.json (merge with the first-step stage's: bench.kernel_configs --keep A --keep B)
 #   mtp            python -m bench.spec_engine_mtp --layers 64        MTP beside DFlash on the 27B shape
 #   train-step     python -m bench.train_step --seq 3072,32768 --try target.precision=fp8   (naive trainer included)
 #   long           python -m bench.train_step --seq 65536,131072 --warmup 1 --steps 2 --try target.precision=fp8
@@ -100,7 +101,8 @@ stage_command() {
         "> $dir/profile.txt" ;;
     first-step-27b)
       echo "$EMPTY_CACHES export TORCH_LOGS=recompiles;" \
-        "python3 -m bench.train_step --seq 3072 --skip-naive --warmup 1 --steps 2 --json $dir/train-step-cold.json" ;;
+        "python3 -m bench.train_step --seq 3072 --skip-naive --warmup 1 --steps 2 --json $dir/train-step-cold.json;" \
+        "python3 -m bench.kernel_configs \$TRITON_CACHE_DIR --out $dir" ;;
     mtp)
       echo "python3 -m bench.spec_engine_mtp --layers 64 --json $dir/spec-engine-mtp.json" ;;
     train-step)

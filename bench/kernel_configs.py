@@ -2,6 +2,7 @@
 
     TRITON_PRINT_AUTOTUNING=1 flashdraft train ...            # on a freshly started GPU machine: Triton times
     python -m bench.kernel_configs ~/.triton/cache --out DIR   # every config; this keeps each kernel's choice
+    python -m bench.kernel_configs --keep A.json --keep B.json # one GPU's files from several runs, merged
 
 (from the repository root, on the machine that ran it: the GPU's name and Triton's version are read there;
 `bench/gpu_run.sh`'s first-step stage does both and leaves the file in its folder). Reads every
@@ -21,16 +22,33 @@ from flashdraft.kernels import tuned
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.kernel_configs", description=__doc__.splitlines()[0])
-    p.add_argument("dir", type=Path, help="a folder holding Triton's *.autotune.json files (searched recursively)")
+    p.add_argument(
+        "dirs", type=Path, nargs="*", help="folders holding Triton's *.autotune.json files (searched recursively)"
+    )
     p.add_argument("--gpu", help="the CUDA device name as torch reports it (default: this machine's GPU)")
     p.add_argument("--triton", help="the Triton version that measured them (default: the installed one)")
     p.add_argument("--out", type=Path, default=None, help="a folder for <GPU>.json (default: flashdraft's tuned/)")
+    p.add_argument(
+        "--keep",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a <GPU>.json written by another run (repeatable): its choices stay unless measured here; names the GPU",
+    )
     args = p.parse_args(argv)
-    files = sorted(f for f in args.dir.rglob("*") if f.is_file() and ".autotune.json" in f.name)
-    if not files:
+    files = sorted(f for d in args.dirs for f in d.rglob("*") if f.is_file() and ".autotune.json" in f.name)
+    if not files and not args.keep:
         # Also what a run covered whole by the shipped file leaves: nothing was timed, nothing to add.
-        print(f"{args.dir}: no *.autotune.json files (nothing was autotuned, or not cached): nothing written")
+        where = ", ".join(map(str, args.dirs)) or "no folder given"
+        print(f"{where}: no *.autotune.json files (nothing was autotuned, or not cached): nothing written")
         return 0
+    kept = [read_kept(p, path) for path in args.keep]
+    for path, (gpu, triton_version, _) in zip(args.keep, kept, strict=True):
+        if args.gpu not in (None, gpu):
+            p.error(f"--keep {path}: measured on {gpu!r}, not {args.gpu!r}")
+        args.gpu = gpu
+        args.triton = args.triton or triton_version
     if args.gpu is None:
         import torch
 
@@ -42,13 +60,34 @@ def main(argv: list[str] | None = None) -> int:
 
         args.triton = triton.__version__
     # What this GPU's shipped file holds stays unless measured again: the run used it and timed only the rest.
-    text = tuned.export(files, args.gpu, args.triton, keep=tuned.load(args.gpu))
+    keep = dict(tuned.load(args.gpu))
+    for _, _, kernels in kept:  # a later file's choice of the same kernel and key wins
+        keep = merge(keep, kernels)
+    text = tuned.export(files, args.gpu, args.triton, keep=keep)
     out = tuned.gpu_file(args.gpu) if args.out is None else args.out / tuned.gpu_file(args.gpu).name
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, text)
     kernels = json.loads(text)["kernels"]
     print(f"{out}: {sum(map(len, kernels.values()))} choices for {len(kernels)} kernels, from {len(files)} files")
     return 0
+
+
+def read_kept(parser: argparse.ArgumentParser, path: Path) -> tuple[str, str, dict[str, list[dict]]]:
+    """(GPU, Triton version, kernels) of a file this command wrote; a parser error naming the file otherwise."""
+    try:
+        data = json.loads(path.read_text())
+        return data["gpu"], data["triton"], data["kernels"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        parser.error(f"--keep {path}: not a kernel-configs file ({type(exc).__name__}: {exc})")
+
+
+def merge(base: dict[str, list[dict]], more: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """`base` with `more`'s entries added, `more`'s replacing any of the same kernel and key."""
+    out = {name: {json.dumps(e["key"]): e for e in entries} for name, entries in base.items()}
+    for name, entries in more.items():
+        for e in entries:
+            out.setdefault(name, {})[json.dumps(e["key"])] = e
+    return {name: list(by_key.values()) for name, by_key in out.items()}
 
 
 if __name__ == "__main__":

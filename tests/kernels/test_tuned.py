@@ -47,6 +47,39 @@ def test_export_keeps_each_keys_fastest_config_and_the_kept_entries(tmp_path):
     assert by_key == {(8, "torch.int32"): tuned.describe(CONFIGS[1]), (64, "torch.int32"): tuned.describe(CONFIGS[0])}
 
 
+def test_kernel_configs_merges_files_of_one_gpu_and_refuses_another(tmp_path, capsys):
+    from bench import kernel_configs
+
+    def written(name, entries, gpu="NVIDIA H200"):
+        path = tmp_path / name
+        path.write_text(tuned.export([], gpu, "3.6.0", keep=entries))
+        return path
+
+    small = {"toy_kernel": [{"key": [8], "config": tuned.describe(CONFIGS[0])}]}
+    large = {
+        "toy_kernel": [
+            {"key": [8], "config": tuned.describe(CONFIGS[1])},
+            {"key": [4096], "config": tuned.describe(CONFIGS[0])},
+        ]
+    }
+    a, b = written("a.json", small), written("b.json", large)
+    out = tmp_path / "out"
+    assert kernel_configs.main(["--keep", str(a), "--keep", str(b), "--out", str(out)]) == 0
+    table = json.loads((out / "NVIDIA_H200.json").read_text())
+    by_key = {tuple(e["key"]): e["config"] for e in table["kernels"]["toy_kernel"]}
+    assert table["gpu"] == "NVIDIA H200"
+    assert by_key == {(8,): tuned.describe(CONFIGS[1]), (4096,): tuned.describe(CONFIGS[0])}  # the later file wins
+
+    other = written("h100.json", small, gpu="NVIDIA H100 80GB HBM3")
+    with pytest.raises(SystemExit):
+        kernel_configs.main(["--keep", str(a), "--keep", str(other), "--out", str(out)])
+    assert "measured on 'NVIDIA H100 80GB HBM3', not 'NVIDIA H200'" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(SystemExit):
+        kernel_configs.main(["--keep", str(tmp_path / "bad.json")])
+    assert "bad.json: not a kernel-configs file" in capsys.readouterr().err
+
+
 def test_fill_places_only_matching_kernel_key_and_config():
     autotuner = toy_autotuner()
     table = {
