@@ -13,10 +13,11 @@
 #                  they ship)
 #   first-step-profile  the cold run again under cProfile, in empty Triton and Inductor caches (profile.txt: where
 #                  a cold start's seconds go, by function)
-#   first-step-27b python -m bench.train_step --seq 3072 --skip-naive --warmup 1 --steps 2 in empty Triton and
-#                  Inductor caches: the 27B shape's cold first step, its phases, torch.compile's seconds and each
-#                  compiled frame's (compile_s, compile_frames in the JSON); its autotuning choices kept as
-#                  <GPU>.json (merge with the first-step stage's: bench.kernel_configs --keep A --keep B)
+#   first-step-27b python -m bench.train_step --seq 3072 --skip-naive --warmup 1 --steps 2, twice in caches that
+#                  start empty (FIRST_STEP_27B_RUNS=cold: once): the 27B shape's cold and warm first step, its
+#                  phases, torch.compile's seconds and each compiled frame's (compile_s, compile_frames in the
+#                  JSON); its autotuning choices kept as <GPU>.json (merge it with the first-step stage's:
+#                  python -m bench.kernel_configs --keep A --keep B)
 #   mtp            python -m bench.spec_engine_mtp --layers 64        MTP beside DFlash on the 27B shape
 #   train-step     python -m bench.train_step --seq 3072,32768 --try target.precision=fp8   (naive trainer included)
 #   long           python -m bench.train_step --seq 65536,131072 --warmup 1 --steps 2 --try target.precision=fp8
@@ -100,9 +101,9 @@ stage_command() {
         "python3 -c \"import pstats; pstats.Stats('$dir/profile.out').sort_stats('cumulative').print_stats(80)\"" \
         "> $dir/profile.txt" ;;
     first-step-27b)
-      echo "$EMPTY_CACHES export TORCH_LOGS=recompiles;" \
-        "python3 -m bench.train_step --seq 3072 --skip-naive --warmup 1 --steps 2 --json $dir/train-step-cold.json;" \
-        "python3 -m bench.kernel_configs \$TRITON_CACHE_DIR --out $dir" ;;
+      echo "$EMPTY_CACHES export TORCH_LOGS=recompiles; for run in ${FIRST_STEP_27B_RUNS:-cold warm}; do" \
+        "python3 -m bench.train_step --seq 3072 --skip-naive --warmup 1 --steps 2 --json $dir/train-step-\$run.json;" \
+        "done; python3 -m bench.kernel_configs \$TRITON_CACHE_DIR --out $dir" ;;
     mtp)
       echo "python3 -m bench.spec_engine_mtp --layers 64 --json $dir/spec-engine-mtp.json" ;;
     train-step)
