@@ -89,31 +89,81 @@ def block_mask_mod(
     return mask_mod
 
 
-def flex_block_mask(
-    batch: DraftBatch,
-    ctx_len: int | None = None,
-    *,
-    window: int | None = None,
-    causal: bool = False,
-    compile: bool = False,
-):
+SPARSE_BLOCK = 128
+"""FlexAttention's tile (create_block_mask's default BLOCK_SIZE): the mask is classified per 128 x 128 block."""
+
+
+def flex_block_mask(batch: DraftBatch, ctx_len: int | None = None, *, window: int | None = None, causal: bool = False):
     """The same mask as a FlexAttention `BlockMask`, built on the batch's device (GPU training path).
 
-    `compile=True` builds it with torch.compile (worth it for long sequences on the GPU; ~30 s on a CPU).
+    Built from each query's visible key intervals (`visible_block_counts`), not by evaluating the predicate on
+    every (query, key) pair as `create_block_mask` does: that materialises (Q, T + Q) index tensors eagerly
+    (gigabytes at 32K tokens) and compiled costs minutes of Triton compile on a fresh machine. The BlockMask holds
+    the same blocks and the same `mask_mod` for the partial ones (tests/train/test_masks.py compares them).
     """
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 
     ctx_len = batch.ctx_len if ctx_len is None else ctx_len
     queries = batch.block_ids.shape[1]
-    return create_block_mask(
-        block_mask_mod(batch, ctx_len, window=window, causal=causal),
-        B=batch.anchors.shape[0],
-        H=None,
-        Q_LEN=queries,
-        KV_LEN=ctx_len + queries,
-        device=batch.anchors.device,
-        _compile=compile,
+    seen, width = visible_block_counts(batch, ctx_len, window=window, causal=causal)
+    full = seen == width  # every query of the 128-row tile sees every key of the 128-key tile
+    partial = (seen > 0) & ~full
+    kv_num, kv_indices = _ordered(partial)
+    full_num, full_indices = _ordered(full)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_indices,
+        full_num,
+        full_indices,
+        BLOCK_SIZE=SPARSE_BLOCK,
+        mask_mod=block_mask_mod(batch, ctx_len, window=window, causal=causal),
+        seq_lengths=(queries, ctx_len + queries),
     )
+
+
+def visible_block_counts(
+    batch: DraftBatch, ctx_len: int, *, window: int | None = None, causal: bool = False
+) -> tuple[torch.Tensor, int]:
+    """(visible (query, key) pairs per 128 x 128 tile, shape (B, 1, Q tiles, KV tiles); a tile's full count).
+
+    Under `_visible` each query sees two intervals of keys: the context [lo, anchor) (lo = 0, or the window's
+    start) and a stretch of its own block. Counting their overlap with every key tile takes (Q, KV tiles) work, not
+    (Q, T + Q). Query rows past Q and key columns past T + Q count as unseen, as create_block_mask pads them.
+    """
+    bs, device = batch.block_size, batch.anchors.device
+    queries = batch.block_ids.shape[1]
+    kv_len = ctx_len + queries
+    q_idx = torch.arange(queries, device=device)
+    q_k = q_idx % bs
+    anchor = batch.anchors.repeat_interleave(bs, dim=1).long()  # (B, Q)
+    ctx_hi = anchor.clamp(0, ctx_len)
+    ctx_lo = torch.zeros_like(ctx_hi) if window is None else (anchor + q_k - window + 1).clamp(0, ctx_len)
+    own = ctx_len + (q_idx - q_k)  # the key index of the query's block's first position
+    blk_lo = own + (0 if window is None else (q_k - window + 1).clamp(min=0))
+    if causal:
+        blk_hi = own + q_k + 1
+    else:
+        blk_hi = own + (bs if window is None else (q_k + window).clamp(max=bs))
+    kv_tiles = -(-kv_len // SPARSE_BLOCK)
+    tile_lo = torch.arange(kv_tiles, device=device) * SPARSE_BLOCK  # (KV tiles,)
+    tile_hi = tile_lo + SPARSE_BLOCK
+
+    def overlap(lo, hi):  # (B or 1, Q) intervals against every tile: (B, Q, KV tiles)
+        lo, hi = lo[..., None], hi[..., None]
+        return (torch.minimum(hi, tile_hi) - torch.maximum(lo, tile_lo)).clamp(min=0)
+
+    per_query = overlap(ctx_lo, ctx_hi) + overlap(blk_lo, blk_hi).expand(anchor.shape[0], -1, -1)
+    q_tiles = -(-queries // SPARSE_BLOCK)
+    padded = torch.nn.functional.pad(per_query, (0, 0, 0, q_tiles * SPARSE_BLOCK - queries))
+    seen = padded.view(anchor.shape[0], q_tiles, SPARSE_BLOCK, kv_tiles).sum(2)
+    return seen[:, None], SPARSE_BLOCK * SPARSE_BLOCK
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A boolean (B, H, Q tiles, KV tiles) as BlockMask's (count, indices): each row's True tiles first, in order."""
+    count = tiles.sum(-1, dtype=torch.int32)
+    indices = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return count, indices
 
 
 def layer_mask_rules(config) -> list[dict]:
@@ -165,9 +215,8 @@ def drafter_mask(batch: DraftBatch, config, kind: str):
     """The drafter's `attention_mask` for `batch`: a FlexAttention `BlockMask` ("flex") or a dense boolean mask."""
     rule = mask_rule(config)
     if kind == "flex":
-        # Built once per micro-batch and shared by every layer; compiled on the GPU, where the eager builder would
-        # materialise (Q, T + Q) index tensors (gigabytes at 32K tokens).
-        return flex_block_mask(batch, **rule, compile=batch.anchors.is_cuda)
+        # Built once per micro-batch and shared by every layer.
+        return flex_block_mask(batch, **rule)
     return dense_block_mask(batch, **rule)
 
 
@@ -180,4 +229,5 @@ __all__ = [
     "flex_block_mask",
     "layer_mask_rules",
     "mask_rule",
+    "visible_block_counts",
 ]

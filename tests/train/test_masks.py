@@ -11,6 +11,7 @@ from flashdraft.drafter import DFlashDraftModel
 from flashdraft.target.tiny import build_tiny_target, tiny_config
 from flashdraft.train.blocks import build_blocks, sample_anchors
 from flashdraft.train.masks import (
+    SPARSE_BLOCK,
     attention_kind,
     block_mask_mod,
     dense_block_mask,
@@ -18,6 +19,7 @@ from flashdraft.train.masks import (
     flex_block_mask,
     layer_mask_rules,
     mask_rule,
+    visible_block_counts,
 )
 from tests.train import tiny_recipe
 from tests.train.tiny_recipe import BS, M, train_forward
@@ -77,6 +79,67 @@ def test_flex_predicate_equals_dense_mask(window, causal):
     assert torch.equal(predicate, dense)
     block_mask = flex_block_mask(batch, window=window, causal=causal)
     assert torch.equal(create_mask(block_mask.mask_mod, B, 1, Q, K, device="cpu"), dense)
+
+
+def random_batch(length, anchors_per_row, bs, seed):
+    """Two rows of `length` tokens with a prompt, sampled anchors (the second row's padded) and Q > 128 queries."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 1000, (2, length), generator=g)
+    loss_mask = torch.ones(2, length, dtype=torch.long)
+    loss_mask[:, : length // 7] = 0
+    anchors = [sample_anchors(loss_mask[0], anchors_per_row, bs, g), sample_anchors(loss_mask[1], 5, bs, g)]
+    return build_blocks(ids, loss_mask, anchors, bs, M)
+
+
+def kv_blocks(block_mask):
+    """Per row of tiles, the (partial, full) tiles in both directions as sets: what FlexAttention reads of a mask."""
+    out = []
+    for num, idx in (
+        (block_mask.kv_num_blocks, block_mask.kv_indices),
+        (block_mask.full_kv_num_blocks, block_mask.full_kv_indices),
+        (block_mask.q_num_blocks, block_mask.q_indices),
+        (block_mask.full_q_num_blocks, block_mask.full_q_indices),
+    ):
+        rows = idx.flatten(0, -2).tolist()
+        out.append([sorted(row[:n]) for row, n in zip(rows, num.flatten().tolist(), strict=True)])
+    return out
+
+
+@pytest.mark.parametrize(
+    "length,anchors,window,causal",
+    [
+        (301, 24, None, False),
+        (517, 40, None, False),
+        (301, 24, 40, True),
+        (517, 40, 100, False),
+        (128, 8, 16, True),
+    ],  # the last: Q and T + Q whole tiles
+)
+def test_block_mask_from_intervals_equals_create_block_mask(length, anchors, window, causal):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bs = 16
+    batch = random_batch(length, anchors, bs, seed=length + anchors)
+    B, Q = batch.anchors.shape[0], batch.block_ids.shape[1]
+    rule = dict(window=window, causal=causal)
+    ours = flex_block_mask(batch, **rule)
+    theirs = create_block_mask(block_mask_mod(batch, **rule), B, None, Q, length + Q, device="cpu")
+    assert ours.shape == theirs.shape and Q >= 128
+    assert kv_blocks(ours) == kv_blocks(theirs)
+    assert torch.equal(ours.to_dense(), theirs.to_dense())
+    # Both kinds of tile occur: partial ones, and full ones wherever a window (< 128 here) does not rule them out.
+    assert (ours.kv_num_blocks > 0).any() and bool((ours.full_kv_num_blocks > 0).any()) == (window is None)
+
+
+@pytest.mark.parametrize("window,causal", [(None, False), (40, True), (100, False), (3, False)])
+def test_visible_block_counts_are_the_dense_masks_tile_sums(window, causal):
+    batch = random_batch(517, 40, 16, seed=7)
+    dense = dense_block_mask(batch, window=window, causal=causal)  # (B, 1, Q, T + Q)
+    counts, whole = visible_block_counts(batch, batch.ctx_len, window=window, causal=causal)
+    B, _, Q, K = dense.shape
+    pad = F.pad(dense.long(), (0, -K % SPARSE_BLOCK, 0, -Q % SPARSE_BLOCK))
+    tiles = pad.view(B, 1, pad.shape[2] // SPARSE_BLOCK, SPARSE_BLOCK, pad.shape[3] // SPARSE_BLOCK, SPARSE_BLOCK)
+    assert torch.equal(counts, tiles.sum((3, 5))) and whole == SPARSE_BLOCK**2
 
 
 def test_flex_attention_matches_sdpa_with_dense_mask_on_cpu():
@@ -261,7 +324,7 @@ def test_flex_attention_matches_dense_sdpa_on_gpu():
     batch = build_blocks(ids, loss_mask, anchors, bs, M).to("cuda")
     q = torch.randn(2, 4, 24 * bs, 64, device="cuda", requires_grad=True)
     k, v = (torch.randn(2, 4, length + 24 * bs, 64, device="cuda", requires_grad=True) for _ in range(2))
-    block_mask = flex_block_mask(batch, compile=True)
+    block_mask = flex_block_mask(batch)
     out = torch.compile(flex_attention)(q, k, v, block_mask=block_mask)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_block_mask(batch))
     torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
