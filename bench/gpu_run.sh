@@ -9,8 +9,8 @@
 #                  <GPU>.json (bench/kernel_configs.py: flashdraft/kernels/tuned/ ships such files);
 #                  FIRST_STEP_RUNS=cold skips the warm run
 #   first-step-shipped  the bundled default in empty Triton, Inductor and Matplotlib caches, with the kernel choices
-#                  the first-step stage kept placed in flashdraft/kernels/tuned/ (what a fresh machine gets once
-#                  they ship)
+#                  the first-step stage kept (where it ran in this call) placed in flashdraft/kernels/tuned/ beside
+#                  those shipped (what a fresh machine gets once they ship)
 #   first-step-profile  the cold run again under cProfile, in empty Triton and Inductor caches (profile.txt: where
 #                  a cold start's seconds go, by function)
 #   first-step-27b python -m bench.train_step --seq 3072 --skip-naive --warmup 1 --steps 2, twice in caches that
@@ -93,7 +93,7 @@ stage_command() {
         "for run in ${FIRST_STEP_RUNS:-cold warm}; do time $FD train log.out=$dir/\$run; done;" \
         "python3 -m bench.kernel_configs \${TRITON_CACHE_DIR:-\$HOME/.triton/cache} --out $dir" ;;
     first-step-shipped)
-      echo "cp $OUT/first-step/*.json flashdraft/kernels/tuned/ && $EMPTY_CACHES" \
+      echo "if [ -d $OUT/first-step ]; then cp $OUT/first-step/*.json flashdraft/kernels/tuned/; fi; $EMPTY_CACHES" \
         "export TRITON_PRINT_AUTOTUNING=1 TIMEFORMAT='%R s wall'; time $FD train log.out=$dir/cold" ;;
     first-step-profile)
       echo "$EMPTY_CACHES export TRITON_PRINT_AUTOTUNING=1;" \
