@@ -19,7 +19,8 @@
 #                  JSON); its autotuning choices kept as <GPU>.json (merge it with the first-step stage's:
 #                  python -m bench.kernel_configs --keep A --keep B)
 #   mtp            python -m bench.spec_engine_mtp --layers 64        MTP beside DFlash on the 27B shape
-#   train-step     python -m bench.train_step --seq 3072,32768 --try target.precision=fp8   (naive trainer included)
+#   train-step     python -m bench.train_step --seq 3072,32768 --try target.precision=fp8   (naive trainer included;
+#                  TRAIN_STEP_SEQS: other lengths)
 #   long           python -m bench.train_step --seq 65536,131072 --warmup 1 --steps 2 --try target.precision=fp8
 #                  (LONG_SEQS: other lengths)
 #   feature-error  python -m bench.feature_error                      FP8 against bf16 features, per captured layer
@@ -107,7 +108,8 @@ stage_command() {
     mtp)
       echo "python3 -m bench.spec_engine_mtp --layers 64 --json $dir/spec-engine-mtp.json" ;;
     train-step)
-      echo "python3 -m bench.train_step --seq 3072,32768 --try target.precision=fp8 --json $dir/train-step.json" ;;
+      echo "python3 -m bench.train_step --seq ${TRAIN_STEP_SEQS:-3072,32768} --try target.precision=fp8" \
+        "--json $dir/train-step.json" ;;
     long)
       echo "python3 -m bench.train_step --seq ${LONG_SEQS:-65536,131072} --warmup 1 --steps 2 --try target.precision=fp8" \
         "--json $dir/train-step-long.json" ;;
