@@ -9,9 +9,11 @@ verifier produces *after* the draft), their whole block both ways, never another
 see only themselves, so no row of the dense mask is empty (SDPA returns NaN for an all-False row), and nobody sees
 them. Sliding-window drafter layers add their window and causality inside the block (`layer_mask_rules`).
 
-Both masks apply the one predicate `_visible`. FlexAttention skips the masked-out blocks (a block sees only the
-context before its anchor: ~15% of the dense scores at 512 anchors over 3072 tokens) and reads K/V once per KV
-head; its backward does not run on the CPU, where the dense mask with SDPA is the path (cheap at CPU sizes).
+Both masks apply the one predicate `_visible` (the BlockMask sorts its tiles into empty, partial and full by the
+same rule written as key intervals, `visible_block_counts`, tested against it). FlexAttention skips the masked-out
+blocks (a block sees only the context before its anchor: ~15% of the dense scores at 512 anchors over 3072 tokens)
+and reads K/V once per KV head; its backward does not run on the CPU, where the dense mask with SDPA is the path
+(cheap at CPU sizes).
 """
 
 from __future__ import annotations
