@@ -253,9 +253,14 @@ def compile_frames() -> list[dict]:
     def seconds(us):
         return None if us is None else round(us / 1e6, 3)
 
+    def frame(m):  # records without a frame: a graph's backward, compiled at its first call, or its run-time tuning
+        if m.co_name is None:
+            return f"{'first run' if m.is_runtime else 'backward'} of graph {m.compile_id}"
+        return f"{m.co_name} {os.path.basename(m.co_filename or '')}:{m.co_firstlineno}"
+
     return [
         {
-            "frame": f"{m.co_name} {os.path.basename(m.co_filename or '')}:{m.co_firstlineno}",
+            "frame": frame(m),
             "compile_id": m.compile_id,
             "runtime": m.is_runtime,
             "s": seconds(m.duration_us),
