@@ -60,9 +60,11 @@ def main(argv: list[str] | None = None) -> int:
 
         args.triton = triton.__version__
     # What this GPU's shipped file holds stays unless measured again: the run used it and timed only the rest.
-    keep = dict(tuned.load(args.gpu))
-    for _, _, kernels in kept:  # a later file's choice of the same kernel and key wins
-        keep = merge(keep, kernels)
+    # The shipped file's entries, then each --keep file's: `export` keeps the last entry of a kernel and key.
+    keep: dict[str, list[dict]] = {}
+    for table in (tuned.load(args.gpu), *(kernels for _, _, kernels in kept)):
+        for name, entries in table.items():
+            keep.setdefault(name, []).extend(entries)
     text = tuned.export(files, args.gpu, args.triton, keep=keep)
     out = tuned.gpu_file(args.gpu) if args.out is None else args.out / tuned.gpu_file(args.gpu).name
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -79,15 +81,6 @@ def read_kept(parser: argparse.ArgumentParser, path: Path) -> tuple[str, str, di
         return data["gpu"], data["triton"], data["kernels"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         parser.error(f"--keep {path}: not a kernel-configs file ({type(exc).__name__}: {exc})")
-
-
-def merge(base: dict[str, list[dict]], more: dict[str, list[dict]]) -> dict[str, list[dict]]:
-    """`base` with `more`'s entries added, `more`'s replacing any of the same kernel and key."""
-    out = {name: {json.dumps(e["key"]): e for e in entries} for name, entries in base.items()}
-    for name, entries in more.items():
-        for e in entries:
-            out.setdefault(name, {})[json.dumps(e["key"])] = e
-    return {name: list(by_key.values()) for name, by_key in out.items()}
 
 
 if __name__ == "__main__":

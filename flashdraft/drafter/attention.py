@@ -41,7 +41,8 @@ def attend(
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale, **gqa)
 
 
-SHORT_FLEX_QUERIES = 128  # FlexAttention's sparse block size
+FLEX_BLOCK = 128
+"""FlexAttention's sparse block (tile) size, create_block_mask's default BLOCK_SIZE."""
 
 
 def _flex(query, key, value, block_mask: BlockMask, *, scale: float, dropout: float) -> torch.Tensor:
@@ -64,7 +65,7 @@ def _flex(query, key, value, block_mask: BlockMask, *, scale: float, dropout: fl
         fn = _compiled_flex()
     # torch 2.11's forward lowering finds no valid kernel config for short query lengths (96 queries on an H200)
     # unless its tile is given; long sequences keep the tuned defaults.
-    options = {"BLOCK_M": 64, "BLOCK_N": 64} if query.shape[-2] < SHORT_FLEX_QUERIES else None
+    options = {"BLOCK_M": 64, "BLOCK_N": 64} if query.shape[-2] < FLEX_BLOCK else None
     with torch.autocast(device, enabled=False):
         return fn(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa, kernel_options=options)
 

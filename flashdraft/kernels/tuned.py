@@ -128,7 +128,8 @@ def export(autotune_files: list[Path], gpu: str, triton_version: str, keep: dict
     """A shipped file's text from Triton's autotune cache files (`<kernel>.autotune.json`, written where
     TRITON_CACHE_AUTOTUNING or a kernel's cache_results asks): per kernel and key, the config with the least
     median time, as the autotuner itself chose it. `keep`: a loaded file whose entries stay unless measured again
-    (a run on a machine that used them autotuned only what they did not cover)."""
+    (a run on a machine that used them autotuned only what they did not cover); of a kernel and key listed more than
+    once, the last entry stays."""
     kernels: dict[str, dict[str, dict]] = {}
     for name, entries in (keep or {}).items():
         for entry in entries:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from flashdraft.drafter.attention import FLEX_BLOCK
 from flashdraft.train.blocks import DraftBatch
 
 ATTENTION = ("auto", "flex", "sdpa")
@@ -91,10 +92,6 @@ def block_mask_mod(
     return mask_mod
 
 
-SPARSE_BLOCK = 128
-"""FlexAttention's tile (create_block_mask's default BLOCK_SIZE): the mask is classified per 128 x 128 block."""
-
-
 def flex_block_mask(batch: DraftBatch, ctx_len: int | None = None, *, window: int | None = None, causal: bool = False):
     """The same mask as a FlexAttention `BlockMask`, built on the batch's device (GPU training path).
 
@@ -107,8 +104,8 @@ def flex_block_mask(batch: DraftBatch, ctx_len: int | None = None, *, window: in
 
     ctx_len = batch.ctx_len if ctx_len is None else ctx_len
     queries = batch.block_ids.shape[1]
-    seen, width = visible_block_counts(batch, ctx_len, window=window, causal=causal)
-    full = seen == width  # every query of the 128-row tile sees every key of the 128-key tile
+    seen = visible_block_counts(batch, ctx_len, window=window, causal=causal)
+    full = seen == FLEX_BLOCK**2  # every query of the 128-row tile sees every key of the 128-key tile
     partial = (seen > 0) & ~full
     kv_num, kv_indices = _ordered(partial)
     full_num, full_indices = _ordered(full)
@@ -117,7 +114,7 @@ def flex_block_mask(batch: DraftBatch, ctx_len: int | None = None, *, window: in
         kv_indices,
         full_num,
         full_indices,
-        BLOCK_SIZE=SPARSE_BLOCK,
+        BLOCK_SIZE=FLEX_BLOCK,
         mask_mod=block_mask_mod(batch, ctx_len, window=window, causal=causal),
         seq_lengths=(queries, ctx_len + queries),
     )
@@ -125,8 +122,8 @@ def flex_block_mask(batch: DraftBatch, ctx_len: int | None = None, *, window: in
 
 def visible_block_counts(
     batch: DraftBatch, ctx_len: int, *, window: int | None = None, causal: bool = False
-) -> tuple[torch.Tensor, int]:
-    """(visible (query, key) pairs per 128 x 128 tile, shape (B, 1, Q tiles, KV tiles); a tile's full count).
+) -> torch.Tensor:
+    """Visible (query, key) pairs per 128 x 128 tile (FLEX_BLOCK), shape (B, 1, Q tiles, KV tiles).
 
     Under `_visible` each query sees two intervals of keys: the context [lo, anchor) (lo = 0, or the window's
     start) and a stretch of its own block. Counting their overlap with every key tile takes (Q, KV tiles) work, not
@@ -146,19 +143,19 @@ def visible_block_counts(
         blk_hi = own + q_k + 1
     else:
         blk_hi = own + (bs if window is None else (q_k + window).clamp(max=bs))
-    kv_tiles = -(-kv_len // SPARSE_BLOCK)
-    tile_lo = torch.arange(kv_tiles, device=device) * SPARSE_BLOCK  # (KV tiles,)
-    tile_hi = tile_lo + SPARSE_BLOCK
+    kv_tiles = -(-kv_len // FLEX_BLOCK)
+    tile_lo = torch.arange(kv_tiles, device=device) * FLEX_BLOCK  # (KV tiles,)
+    tile_hi = tile_lo + FLEX_BLOCK
 
     def overlap(lo, hi):  # (B or 1, Q) intervals against every tile: (B, Q, KV tiles)
         lo, hi = lo[..., None], hi[..., None]
         return (torch.minimum(hi, tile_hi) - torch.maximum(lo, tile_lo)).clamp(min=0)
 
     per_query = overlap(ctx_lo, ctx_hi) + overlap(blk_lo, blk_hi).expand(anchor.shape[0], -1, -1)
-    q_tiles = -(-queries // SPARSE_BLOCK)
-    padded = torch.nn.functional.pad(per_query, (0, 0, 0, q_tiles * SPARSE_BLOCK - queries))
-    seen = padded.view(anchor.shape[0], q_tiles, SPARSE_BLOCK, kv_tiles).sum(2)
-    return seen[:, None], SPARSE_BLOCK * SPARSE_BLOCK
+    q_tiles = -(-queries // FLEX_BLOCK)
+    padded = torch.nn.functional.pad(per_query, (0, 0, 0, q_tiles * FLEX_BLOCK - queries))
+    seen = padded.view(anchor.shape[0], q_tiles, FLEX_BLOCK, kv_tiles).sum(2)
+    return seen[:, None]
 
 
 def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 from flashdraft.drafter import DFlashDraftModel
+from flashdraft.drafter.attention import FLEX_BLOCK
 from flashdraft.target.tiny import build_tiny_target, tiny_config
 from flashdraft.train.blocks import build_blocks, sample_anchors
 from flashdraft.train.masks import (
-    SPARSE_BLOCK,
     attention_kind,
     block_mask_mod,
     dense_block_mask,
@@ -135,11 +135,11 @@ def test_block_mask_from_intervals_equals_create_block_mask(length, anchors, win
 def test_visible_block_counts_are_the_dense_masks_tile_sums(window, causal):
     batch = random_batch(517, 40, 16, seed=7)
     dense = dense_block_mask(batch, window=window, causal=causal)  # (B, 1, Q, T + Q)
-    counts, whole = visible_block_counts(batch, batch.ctx_len, window=window, causal=causal)
+    counts = visible_block_counts(batch, batch.ctx_len, window=window, causal=causal)
     B, _, Q, K = dense.shape
-    pad = F.pad(dense.long(), (0, -K % SPARSE_BLOCK, 0, -Q % SPARSE_BLOCK))
-    tiles = pad.view(B, 1, pad.shape[2] // SPARSE_BLOCK, SPARSE_BLOCK, pad.shape[3] // SPARSE_BLOCK, SPARSE_BLOCK)
-    assert torch.equal(counts, tiles.sum((3, 5))) and whole == SPARSE_BLOCK**2
+    pad = F.pad(dense.long(), (0, -K % FLEX_BLOCK, 0, -Q % FLEX_BLOCK))
+    tiles = pad.view(B, 1, pad.shape[2] // FLEX_BLOCK, FLEX_BLOCK, pad.shape[3] // FLEX_BLOCK, FLEX_BLOCK)
+    assert torch.equal(counts, tiles.sum((3, 5)))
 
 
 def test_flex_attention_matches_sdpa_with_dense_mask_on_cpu():

@@ -155,7 +155,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             compute_dtype = torch.promote_types(weight.dtype, torch.float32)
             need_grad = ctx.needs_input_grad[0]
             chunk_fn = _chunk_ce if teacher is None else _chunk_soft
-            if hidden.is_cuda if compile_chunks is None else compile_chunks:
+            if compile_chunks is None:
+                compile_chunks = hidden.is_cuda
+            if compile_chunks:
                 chunk_fn = _compiled(chunk_fn)
             rows = hidden.shape[0]
             token_loss = torch.empty(rows, dtype=compute_dtype, device=hidden.device)
