@@ -106,9 +106,9 @@ def test_rollback_puts_back_the_length_the_model_reads(family):
     ids = _ids(3)
     with ready(model), torch.inference_mode():
         cache = rollback.new_cache(model)
-        model(ids[:, :PREFIX], past_key_values=cache, use_cache=True)
+        model(ids[:, :PREFIX], use_cache=True, **cache_kwargs(cache))
         snap = rollback.take_snapshot(cache)
-        model(ids[:, PREFIX : PREFIX + 4], past_key_values=cache, use_cache=True)
+        model(ids[:, PREFIX : PREFIX + 4], use_cache=True, **cache_kwargs(cache))
         rollback.rollback(cache, snap, 2)
         assert int(cache.get_seq_length()) == rollback.kv_length(cache) == PREFIX
 
