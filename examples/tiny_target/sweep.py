@@ -3,15 +3,16 @@
     python examples/tiny_target/sweep.py --data build/tiny_target/regen_t0.jsonl build/tiny_target/regen_t1.jsonl \\
         --steps 300 --out build/tiny_target/sweep [--variants baseline,dpace,lk] [--set train.compile=false ...]
 
-Every variant is `examples/tiny_target/drafter.yaml` plus its own overrides (VARIANTS below), trained from a fresh
-drafter for the same `--steps` on the same data with the same seed, one after the other in this process. Each is
-then decoded on the same held-out prompts (default: the package's 64, `flashdraft/bundled/eval.jsonl`) at T=0 and
-T=1, block 16; prompt lookup decodes the same prompts with the same settings once per temperature, at the start.
-Writes to --out: sweep.json (after every variant, so a cut-short sweep keeps what it measured), sweep.md (the
-table) and sweep.png (a bar chart; needs matplotlib). `--deadline-s` skips the variants that would end after it;
-`--redraw` rewrites the table and the chart from --out's sweep.json (e.g. on a machine with matplotlib);
-`--merge DIR ...` joins the sweep.json of several runs (a sweep split over processes sharing one GPU, or over
-machines) into --out, after checking they measured alike (steps, prompts, settings, prompt lookup's τ within 1%).
+Every variant is `examples/tiny_target/drafter.yaml` plus its own overrides (VARIANTS below; `a+b` takes both a's and
+b's, e.g. `dpace+late`), trained from a fresh drafter for the same `--steps` on the same data with the same seed, one
+after the other in this process. Each is then decoded on the same held-out prompts (default: the package's 64,
+`flashdraft/bundled/eval.jsonl`) at T=0 and T=1, block 16; prompt lookup decodes the same prompts with the same
+settings once per temperature, at the start. Writes to --out: sweep.json (after every variant, so a cut-short sweep
+keeps what it measured), sweep.md (the table) and sweep.png (a bar chart; needs matplotlib). `--deadline-s` skips the
+variants that would end after it; `--redraw` rewrites the table and the chart from --out's sweep.json (e.g. on a
+machine with matplotlib); `--merge DIR ...` joins the sweep.json of several runs (a sweep split over processes sharing
+one GPU, or over machines) into --out, after checking they measured alike (steps, prompts, settings, prompt lookup's τ
+within 1%).
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "fp8": ("the target's linear layers in FP8 while training", ["target.precision=fp8"]),
 }
 DEFAULT_VARIANTS = "baseline,dpace,lk,spread,gamma4,layers5,anchors256"
+COMBINE = "+"  # "dpace+late": both variants' overrides, in that order
+
+
+def variant(name: str) -> tuple[str, list[str]]:
+    """What a variant is and its overrides; `a+b` combines variants a and b."""
+    parts = [VARIANTS[part] for part in name.split(COMBINE)]
+    return "; ".join(what for what, _ in parts), [o for _, overrides in parts for o in overrides]
+
+
 TEMPERATURES = (0.0, 1.0)
 
 
@@ -68,7 +78,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target", default="bundled", help="target directory, or 'bundled' (default)")
     p.add_argument("--data", nargs="+", default=None, help="training JSONL (default: the config's data.train)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per variant (the same for all)")
-    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    p.add_argument(
+        "--variants",
+        default=DEFAULT_VARIANTS,
+        help=f"comma-separated, of: {', '.join(VARIANTS)}; a+b combines two (e.g. dpace+late)",
+    )
     p.add_argument("--set", nargs="*", default=[], metavar="section.field=value", help="overrides for every variant")
     p.add_argument("--prompts", type=Path, default=None, help="held-out prompts (default: the package's 64)")
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
@@ -80,7 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="DIR", help="join these runs' sweep.json")
     a = p.parse_args(argv)
     a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    unknown = [v for v in a.variants if v not in VARIANTS]
+    unknown = [v for v in a.variants if not all(part in VARIANTS for part in v.split(COMBINE))]
     if unknown or not a.variants:
         p.error(f"--variants: unknown {unknown or 'none given'}; choose from {', '.join(VARIANTS)}")
     if a.steps < 1 or a.max_new_tokens < 1 or a.block_size < 2 or (a.limit is not None and a.limit < 1):
@@ -104,7 +118,7 @@ def variant_config(a: argparse.Namespace, name: str):
     ]
     if a.data:
         base.append(f"data.train=[{', '.join(a.data)}]")
-    return load_config(a.config, [*base, *a.set, *VARIANTS[name][1]])
+    return load_config(a.config, [*base, *a.set, *variant(name)[1]])
 
 
 def train_variant(cfg) -> dict:
@@ -281,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     write_report(a.out, report)
     longest = 0.0
     for name in a.variants:
-        row = {"name": name, "what": VARIANTS[name][0], "overrides": VARIANTS[name][1]}
+        what, overrides = variant(name)
+        row = {"name": name, "what": what, "overrides": overrides}
         report["variants"].append(row)
         began = time.perf_counter()
         if a.deadline_s is not None and began - start + 1.2 * longest > a.deadline_s:

@@ -126,6 +126,20 @@ def test_deadline_skips_and_bad_variants_stop(tmp_path):
     assert "| lk | – |" in (tmp_path / "sweep.md").read_text()
     with pytest.raises(SystemExit):
         sweep.main([*TINY, "--out", str(tmp_path), "--variants", "baseline,bogus"])
+    with pytest.raises(SystemExit):
+        sweep.main([*TINY, "--out", str(tmp_path), "--variants", "dpace+bogus"])
+
+
+def test_a_combined_variant_takes_the_overrides_of_each_part(tmp_path):
+    sweep = load_sweep()
+    a = sweep.parse_args([*TINY, "--out", str(tmp_path), "--variants", "dpace+late+layers5"])
+    cfg = sweep.variant_config(a, "dpace+late+layers5")
+    assert cfg.recipe.loss_weighting == "dpace"
+    assert list(cfg.drafter.target_layer_ids) == [3, 4, 5, 6, 7]
+    assert cfg.drafter.num_layers == 5
+    assert Path(cfg.log.out) == tmp_path / "runs" / "dpace+late+layers5"
+    alone = sweep.variant_config(a, "late")  # a part alone keeps the others' defaults
+    assert alone.recipe.loss_weighting != "dpace" and alone.drafter.num_layers == 3
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU with FP8 the variant trains")
