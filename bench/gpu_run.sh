@@ -27,7 +27,9 @@
 #   drafter        examples/tiny_target/pipeline.sh on the bundled target: corpus, regeneration, the drafter
 #                  fine-tuned from the bundled one (DRAFTER_ARGS, default drafter.init_from=bundled; REGEN_*),
 #                  eval on the package's held-out prompts; the last drafter is kept as final_drafter/
-#                  (examples/tiny_target/ship.py ships it)
+#                  (examples/tiny_target/ship.py ships it). DRAFTER_PIPELINE picks the pipeline's stages (default
+#                  "corpus regen drafter eval"): "corpus regen" makes rows for a later call (gzip them and carry
+#                  them), "drafter eval" trains on carried rows (DRAFTER_ARGS="data.train=[...]")
 #   sweep          examples/tiny_target/sweep.py on the drafter stage's rows, or on SWEEP_DATA (paths), with
 #                  SWEEP_ARGS (e.g. --variants ...)
 # The stages run one after another, never beside each other, so no timing shares the GPU with a compile.
@@ -120,8 +122,9 @@ stage_command() {
       # on the package's own held-out prompts, the ones every published figure uses.
       echo "BUILD=$dir/build TARGET=bundled HELDOUT=$PWD/flashdraft/bundled/eval.jsonl" \
         "DRAFTER_ARGS='${DRAFTER_ARGS-drafter.init_from=bundled}'" \
-        "STAGES='corpus regen drafter eval' bash examples/tiny_target/pipeline.sh &&" \
-        "cp -r \$(ls -d $dir/build/drafter_run/checkpoints/step_* | tail -1)/drafter $dir/final_drafter" ;;
+        "STAGES='${DRAFTER_PIPELINE:-corpus regen drafter eval}' bash examples/tiny_target/pipeline.sh &&" \
+        "if [ -d $dir/build/drafter_run/checkpoints ]; then" \
+        "cp -r \$(ls -d $dir/build/drafter_run/checkpoints/step_* | tail -1)/drafter $dir/final_drafter; fi" ;;
     sweep)
       echo "python3 examples/tiny_target/sweep.py --out $dir ${SWEEP_ARGS:-} --data" \
         "${SWEEP_DATA:-$OUT/drafter/build/regen_t0.jsonl $OUT/drafter/build/regen_t1.jsonl}" ;;
