@@ -21,6 +21,7 @@ from flashdraft.config import RunConfig
 from flashdraft.devices import autocast
 from flashdraft.drafter import DFlashDraftModel
 from flashdraft.speculative.engine import session as engine_session
+from flashdraft.speculative.evaluate import Tally
 from flashdraft.speculative.generate import generate, use_engine
 from flashdraft.speculative.prompts import load_prompts
 from flashdraft.target import load_model
@@ -71,14 +72,17 @@ def measure_tau(
         precision = contextlib.nullcontext()
         longest = max((p.input_ids.numel() for p in prompts), default=0)
         engine_session.prepare(full, longest + cfg.data.eval_max_new_tokens, decoder.block_size, decoder)
-    taus = []
+    tally, per_prompt = Tally(), []
     for prompt in prompts:
         # Decoding runs the (train.compile) compiled layers eagerly: its cache and shapes change every round.
         with torch.no_grad(), precision, torch.compiler.set_stance("force_eager"):
             result = generate(full, decoder, prompt.input_ids.to(s.device), cfg.data.eval_max_new_tokens)
-        taus.append(result.tau)
+        tally.add(result)
+        per_prompt.append(result.tau)
     drafter.train()
-    tau = sum(taus) / len(taus)
+    # Tokens per target forward over all prompts' rounds, as `flashdraft eval` counts it: a mean of the prompts' own
+    # τ would let one prompt that the target repeats (τ near the block size) outweigh the rest.
+    tau = tally.tau
     if json_out is not None:
-        json_out.write_text(json.dumps({"tau": tau, "per_prompt": taus}))
+        json_out.write_text(json.dumps({"tau": tau, "per_prompt": per_prompt}))
     return tau

@@ -1,11 +1,35 @@
 """The measured τ of training: real speculative decoding with the drafter being trained."""
 
+import json
+
 import pytest
 import torch
 
 from flashdraft import bundled
 from flashdraft.config import load_config
+from flashdraft.speculative import generate
+from flashdraft.speculative.prompts import load_prompts
+from flashdraft.train import setup
 from flashdraft.train.tau import measure_tau
+
+
+def test_measured_tau_counts_tokens_per_target_forward_over_all_prompts(tmp_path):
+    """The τ training prints is `flashdraft eval`'s: every prompt's accepted tokens over every prompt's rounds. A mean
+    of the prompts' own τ differs whenever the prompts do (one the target repeats can reach the block size)."""
+    cfg = load_config(bundled.ASSETS / "train.yaml", [f"log.out={tmp_path}", "data.eval_limit=4"])
+    s = setup.setup(cfg, tmp_path, None)
+    tau = measure_tau(cfg, s, tmp_path / "measured_tau.json")
+    drafter = s.drafter.eval()
+    accepted, rounds, own = 0, 0, []
+    for prompt in load_prompts(bundled.eval_prompts(), s.tokenizer, 4):
+        with torch.no_grad():
+            result = generate(s.full_target, drafter, prompt.input_ids, cfg.data.eval_max_new_tokens)
+        accepted, rounds = accepted + sum(result.acceptance_lengths), rounds + result.num_rounds
+        own.append(result.tau)
+    assert tau == pytest.approx(accepted / rounds, rel=1e-12)
+    assert max(own) - min(own) > 1  # prompts this unlike each other tell the two counts apart
+    assert tau != pytest.approx(sum(own) / len(own), rel=1e-3)
+    assert json.loads((tmp_path / "measured_tau.json").read_text()) == {"tau": tau, "per_prompt": own}
 
 
 @pytest.mark.gpu
