@@ -85,19 +85,22 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
+def sample_tokens(target: Target, cache, after: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
+    """`n` tokens the target samples in each row after what `cache` holds (`after`: the next distribution)."""
+    tokens = [draw(after, generator)]
+    for _ in range(n - 1):
+        tokens.append(draw(target.probs(tokens[-1][:, None], cache)[:, -1], generator))
+    return torch.stack(tokens, dim=1)
+
+
 def marginal_acceptance(
     target: Target, context: torch.Tensor, samples: int, num_drafts: int, generator: torch.Generator
 ) -> torch.Tensor:
     """Per draft position, the share of `samples` blocks drawn from the estimated marginals after `context` (which
     ends with the anchor) whose drafts up to that position are all accepted by speculative sampling `[num_drafts]`."""
-    cache, after = target.start(context, samples)
-    sampled = []
-    for _ in range(num_drafts):
-        token = draw(after, generator)
-        sampled.append(token)
-        after = target.probs(token[:, None], cache)[:, -1]
-    marginals = torch.zeros(num_drafts, after.shape[-1], dtype=torch.float64)
-    marginals.scatter_add_(1, torch.stack(sampled), torch.ones(num_drafts, samples, dtype=torch.float64))
+    sampled = sample_tokens(target, *target.start(context, samples), num_drafts, generator)  # [samples, drafts]
+    marginals = torch.zeros(num_drafts, target.model.config.vocab_size, dtype=torch.float64)
+    marginals.scatter_add_(1, sampled.T, torch.ones(num_drafts, samples, dtype=torch.float64))
     marginals /= samples
     blocks = draw(marginals[:, None].expand(-1, samples, -1), generator).T  # [samples, num_drafts], independent
     cache, first = target.start(context, samples)
@@ -111,13 +114,7 @@ def marginal_acceptance(
 
 def sampled_context(target: Target, prompt: torch.Tensor, extra: int, generator: torch.Generator) -> torch.Tensor:
     """The prompt, `extra` tokens the target samples after it, and the anchor it samples next."""
-    cache, after = target.start(prompt, 1)
-    tokens = []
-    for step in range(extra + 1):
-        tokens.append(draw(after, generator))
-        if step < extra:
-            after = target.probs(tokens[-1][:, None], cache)[:, -1]
-    return torch.cat([prompt, torch.cat(tokens)])
+    return torch.cat([prompt, sample_tokens(target, *target.start(prompt, 1), extra + 1, generator)[0]])
 
 
 def main(argv: list[str] | None = None) -> int:

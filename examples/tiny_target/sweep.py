@@ -59,6 +59,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "fp8": ("the target's linear layers in FP8 while training", ["target.precision=fp8"]),
 }
 DEFAULT_VARIANTS = "baseline,dpace,lk,spread,gamma4,layers5,anchors256"
+TEMPERATURES = (0.0, 1.0)
 COMBINE = "+"  # "dpace+late": both variants' overrides, in that order
 
 
@@ -66,9 +67,6 @@ def variant(name: str) -> tuple[str, list[str]]:
     """What a variant is and its overrides; `a+b` combines variants a and b."""
     parts = [VARIANTS[part] for part in name.split(COMBINE)]
     return "; ".join(what for what, _ in parts), [o for _, overrides in parts for o in overrides]
-
-
-TEMPERATURES = (0.0, 1.0)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
