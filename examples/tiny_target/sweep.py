@@ -12,7 +12,8 @@ keeps what it measured), sweep.md (the table) and sweep.png (a bar chart; needs 
 variants that would end after it; `--redraw` rewrites the table and the chart from --out's sweep.json (e.g. on a
 machine with matplotlib); `--merge DIR ...` joins the sweep.json of several runs (a sweep split over processes sharing
 one GPU, or over machines) into --out, after checking they measured alike (steps, prompts, settings, prompt lookup's τ
-within 1%).
+within 1%). `--lookup FILE` keeps prompt lookup's decodes in FILE and reuses them when FILE exists and was
+measured alike (same target, prompts, lengths, seed and device), so runs split over processes decode it once.
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0, help="sampling seed at T=1 (prompt i: seed + i)")
     p.add_argument("--deadline-s", type=float, default=None, help="skip variants that would end later than this")
+    p.add_argument(
+        "--lookup", type=Path, default=None, help="prompt lookup's decodes: read from this JSON if measured alike, else written"
+    )
     p.add_argument("--redraw", action="store_true", help="only rewrite sweep.md and sweep.png from --out/sweep.json")
     p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="DIR", help="join these runs' sweep.json")
     a = p.parse_args(argv)
@@ -286,9 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_lookup": {},
         "variants": [],
     }
-    lookup_tokens = {}
-    for t in TEMPERATURES:
-        report["prompt_lookup"][f"tau_t{t:g}"], lookup_tokens[t] = decoder.run("prompt_lookup", t)
+    report["prompt_lookup"], lookup_tokens = prompt_lookup(a, decoder, report)
     print(f"prompt lookup: τ {report['prompt_lookup']} ({time.perf_counter() - start:.0f} s)", flush=True)
     write_report(a.out, report)
     longest = 0.0
@@ -322,6 +324,52 @@ def main(argv: list[str] | None = None) -> int:
     write_report(a.out, report)
     print(table(report))
     return 1 if any("failed" in r for r in report["variants"]) else 0
+
+
+# What a kept prompt-lookup file must share with this run to stand for its decodes.
+LOOKUP_SAME = ("target", "prompts", "limit", "max_new_tokens", "block_size", "seed", "device")
+
+
+def prompt_lookup(a: argparse.Namespace, decoder: Decoder, report: dict) -> tuple[dict, dict]:
+    """Prompt lookup's τ per temperature and its tokens per prompt: decoded here, or read from `a.lookup` when that
+    file holds a decode measured alike (SystemExit naming the field when it was not). Writes `a.lookup` after a
+    decode."""
+    settings = {
+        "target": a.target,
+        "prompts": str(a.prompts) if a.prompts else None,
+        "limit": a.limit,
+        "max_new_tokens": a.max_new_tokens,
+        "block_size": a.block_size,
+        "seed": a.seed,
+        "device": report["device"],
+    }
+    if a.lookup is not None and a.lookup.is_file():
+        try:
+            kept = json.loads(a.lookup.read_text())
+            differs = [key for key in LOOKUP_SAME if kept["settings"].get(key) != settings[key]]
+            taus, tokens = kept["tau"], {float(t): rows for t, rows in kept["tokens"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise SystemExit(f"--lookup: cannot read {a.lookup}: {type(exc).__name__}: {exc}") from None
+        if differs:
+            key = differs[0]
+            raise SystemExit(
+                f"--lookup: {a.lookup} was measured with {key} = {kept['settings'].get(key)!r}, this run has "
+                f"{settings[key]!r}; give another file or remove it"
+            )
+        if sorted(tokens) != sorted(TEMPERATURES) or any(len(rows) != len(decoder.prompts) for rows in tokens.values()):
+            raise SystemExit(f"--lookup: {a.lookup} does not hold one decode per prompt at T = {TEMPERATURES}")
+        print(f"prompt lookup: read from {a.lookup}", flush=True)
+        return taus, tokens
+    taus, tokens = {}, {}
+    for t in TEMPERATURES:
+        taus[f"tau_t{t:g}"], tokens[t] = decoder.run("prompt_lookup", t)
+    if a.lookup is not None:
+        from flashdraft.io.atomic import atomic_write_text
+
+        a.lookup.parent.mkdir(parents=True, exist_ok=True)
+        kept = {"settings": settings, "tau": taus, "tokens": {f"{t:g}": rows for t, rows in tokens.items()}}
+        atomic_write_text(a.lookup, json.dumps(kept))
+    return taus, tokens
 
 
 PROMPT_LOOKUP_RTOL = 0.01

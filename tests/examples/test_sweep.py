@@ -187,3 +187,30 @@ def test_runs_split_over_processes_merge_into_one_table(tmp_path):
                 sweep.main(argv)
     with pytest.raises(SystemExit, match="cannot read"):
         sweep.main(["--out", str(tmp_path / "x"), "--merge", str(tmp_path / "a"), str(tmp_path / "missing")])
+
+
+def test_prompt_lookup_is_decoded_once_and_reused_only_when_measured_alike(tmp_path, monkeypatch, capsys):
+    sweep = load_sweep()
+    kept = tmp_path / "lookup.json"
+    skip = ["--deadline-s", "0", "--lookup", str(kept)]
+    assert sweep.main([*TINY, *skip, "--out", str(tmp_path / "a"), "--variants", "lk"]) == 0
+    first = json.loads((tmp_path / "a" / "sweep.json").read_text())["prompt_lookup"]
+    saved = json.loads(kept.read_text())
+    assert saved["tau"] == first and set(saved["tokens"]) == {"0", "1"}
+    assert all(len(rows) == 1 and len(rows[0]) > 0 for rows in saved["tokens"].values())
+
+    def no_decoding(self, method, temperature, drafter=None):
+        raise AssertionError(f"{method} decoded again")
+
+    monkeypatch.setattr(sweep.Decoder, "run", no_decoding)
+    assert sweep.main([*TINY, *skip, "--out", str(tmp_path / "b"), "--variants", "gamma4"]) == 0
+    assert json.loads((tmp_path / "b" / "sweep.json").read_text())["prompt_lookup"] == first
+    assert f"read from {kept}" in capsys.readouterr().out
+
+    other = [*TINY, *skip, "--out", str(tmp_path / "c"), "--variants", "lk"]
+    other[other.index("--max-new-tokens") + 1] = "13"
+    with pytest.raises(SystemExit, match="max_new_tokens = 12, this run has 13"):
+        sweep.main(other)
+    kept.write_text("{not json")
+    with pytest.raises(SystemExit, match="cannot read .*lookup.json"):
+        sweep.main([*TINY, *skip, "--out", str(tmp_path / "d"), "--variants", "lk"])
