@@ -90,7 +90,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="sampling seed at T=1 (prompt i: seed + i)")
     p.add_argument("--deadline-s", type=float, default=None, help="skip variants that would end later than this")
     p.add_argument(
-        "--lookup", type=Path, default=None, help="prompt lookup's decodes: read from this JSON if measured alike, else written"
+        "--lookup",
+        type=Path,
+        default=None,
+        help="prompt lookup's decodes: read from this JSON if measured alike, else written",
     )
     p.add_argument("--redraw", action="store_true", help="only rewrite sweep.md and sweep.png from --out/sweep.json")
     p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="DIR", help="join these runs' sweep.json")
