@@ -13,7 +13,8 @@ variants that would end after it; `--redraw` rewrites the table and the chart fr
 machine with matplotlib); `--merge DIR ...` joins the sweep.json of several runs (a sweep split over processes sharing
 one GPU, or over machines) into --out, after checking they measured alike (steps, prompts, settings, prompt lookup's τ
 within 1%). `--lookup FILE` keeps prompt lookup's decodes in FILE and reuses them when FILE exists and was
-measured alike (same target, prompts, lengths, seed and device), so runs split over processes decode it once.
+measured alike (same target, prompts, lengths, seed and device), so runs split over processes decode it once. Keep
+it to one machine: another host's bf16 can break a near-tie differently, and the greedy check compares tokens.
 """
 
 from __future__ import annotations
