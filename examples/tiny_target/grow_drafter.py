@@ -62,14 +62,14 @@ def grow(drafter: DFlashDraftModel, extra_layers: int = 0, intermediate_size: in
 
 
 def max_output_difference(a: DFlashDraftModel, b: DFlashDraftModel, context: int = 40, seed: int = 0) -> float:
-    """Largest difference of the two drafters' hidden outputs on one random block and context (float32)."""
+    """Largest difference of the two float32 drafters' hidden outputs on one random block and context."""
     gen = torch.Generator().manual_seed(seed)
     width = a.config.hidden_size
     features = torch.randn(1, context, width * len(a.target_layer_ids), generator=gen)
     block = torch.randn(1, a.block_size, width, generator=gen)
     positions = torch.arange(context + a.block_size)[None]
     with torch.no_grad():
-        outs = [m.float()(position_ids=positions, noise_embedding=block, target_hidden=features) for m in (a, b)]
+        outs = [m(position_ids=positions, noise_embedding=block, target_hidden=features) for m in (a, b)]
     return (outs[0] - outs[1]).abs().max().item()
 
 
@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra-layers", type=int, default=0)
     p.add_argument("--intermediate-size", type=int, default=None, help="the MLPs' new width (default: unchanged)")
     a = p.parse_args(argv)
-    drafter = DFlashDraftModel.from_pretrained(a.drafter).float()
+    drafter = DFlashDraftModel.from_pretrained(a.drafter)
+    dtype = next(drafter.parameters()).dtype  # the grown drafter is written in the dtype it was read in
+    drafter.float()
     try:
         grown = grow(drafter, a.extra_layers, a.intermediate_size)
     except ValueError as exc:
@@ -88,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     gap = max_output_difference(drafter, grown)
     if gap > 1e-5:
         raise SystemExit(f"grow_drafter: the grown drafter differs from {a.drafter} by {gap:.3g}; not written")
-    dtype = next(DFlashDraftModel.from_pretrained(a.drafter).parameters()).dtype
     grown.to(dtype).save_pretrained(a.out)
     count = sum(w.numel() for w in grown.parameters())
     print(

@@ -330,15 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any("failed" in r for r in report["variants"]) else 0
 
 
-# What a kept prompt-lookup file must share with this run to stand for its decodes.
-LOOKUP_SAME = ("target", "prompts", "limit", "max_new_tokens", "block_size", "seed", "device")
-
-
 def prompt_lookup(a: argparse.Namespace, decoder: Decoder, report: dict) -> tuple[dict, dict]:
     """Prompt lookup's τ per temperature and its tokens per prompt: decoded here, or read from `a.lookup` when that
     file holds a decode measured alike (SystemExit naming the field when it was not). Writes `a.lookup` after a
     decode."""
-    settings = {
+    settings = {  # what a kept file must share with this run to stand for its decodes
         "target": a.target,
         "prompts": str(a.prompts) if a.prompts else None,
         "limit": a.limit,
@@ -350,7 +346,7 @@ def prompt_lookup(a: argparse.Namespace, decoder: Decoder, report: dict) -> tupl
     if a.lookup is not None and a.lookup.is_file():
         try:
             kept = json.loads(a.lookup.read_text())
-            differs = [key for key in LOOKUP_SAME if kept["settings"].get(key) != settings[key]]
+            differs = [key for key, value in settings.items() if kept["settings"].get(key) != value]
             taus, tokens = kept["tau"], {float(t): rows for t, rows in kept["tokens"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise SystemExit(f"--lookup: cannot read {a.lookup}: {type(exc).__name__}: {exc}") from None
