@@ -274,8 +274,9 @@ def compile_frames() -> list[dict]:
     ]
 
 
-def precision_of(d: naive.Dims, device: str, overrides: list[str]) -> str:
-    return flashdraft_config(d, 16, device, overrides).target.precision
+def precision_of(d: naive.Dims, seq: int, device: str, overrides: list[str]) -> str:
+    """The variant's `target.precision`, read from the config it will run with (at a length it runs)."""
+    return flashdraft_config(d, seq, device, overrides).target.precision
 
 
 def target_sdpa_backends(target, d: naive.Dims, seq: int) -> dict:
@@ -459,7 +460,7 @@ def main() -> None:
     variants += [(f"flashdraft[{extra}]", [*args.overrides, extra]) for extra in args.tries]
     # FP8 converts the shared target in place (its bf16 weights are freed): every bf16 variant runs first.
     for precision in ("bf16", "fp8"):
-        chosen = [(label, o) for label, o in variants if precision_of(d, device, o) == precision]
+        chosen = [(label, o) for label, o in variants if precision_of(d, seqs[0], device, o) == precision]
         for seq in seqs if chosen else ():
             # Each length compiles its own static graphs, as it would run alone (a training run's varying lengths
             # get one dynamic graph after the second length instead).
