@@ -32,14 +32,14 @@ def test_a_grown_drafter_computes_the_same_function_and_every_new_weight_learns(
     assert grown.config.num_hidden_layers == shipped.config.num_hidden_layers + extra
     assert grown.config.intermediate_size == (width or shipped.config.intermediate_size)
     assert len(grown.config.layer_types) == grown.config.num_hidden_layers
-    # Same outputs on fresh random inputs, several of them, to float32 rounding (the grown model adds exact zeros).
+    # Same outputs on fresh random inputs, several of them, to float64 rounding (the grown model adds exact zeros).
     for seed in range(3):
-        assert grow.max_output_difference(shipped, grown, seed=seed) == 0.0
+        assert grow.output_difference(shipped, grown, seed=seed) <= grow.SAME_FUNCTION
     # The original is untouched, and a different drafter is told apart (the check can fail).
     other = grow.grow(shipped, extra, width)
     with torch.no_grad():
         other.layers[-1].mlp.down_proj.weight.add_(0.01)
-    assert grow.max_output_difference(shipped, other) > 1e-4
+    assert grow.output_difference(shipped, other) > 1e-4
 
     width0 = shipped.config.intermediate_size
     positions = torch.arange(40 + grown.block_size)[None]
