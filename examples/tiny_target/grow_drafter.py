@@ -67,7 +67,7 @@ def grow(drafter: DFlashDraftModel, extra_layers: int = 0, intermediate_size: in
 def output_difference(a: DFlashDraftModel, b: DFlashDraftModel, context: int = 40, seed: int = 0) -> float:
     """Largest difference of two drafters' hidden outputs on one random block and context, relative to the largest
     output. Computed on float64 copies: a wider MLP sums its products in another order, which float32 rounds
-    differently (about 1e-6 here, depending on the CPU's matmul kernels); float64 leaves only a difference in the
+    differently, by an amount that depends on the CPU's matmul kernels; float64 leaves only a difference in the
     function."""
     gen = torch.Generator().manual_seed(seed)
     width = a.config.hidden_size
