@@ -91,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     drafter = DFlashDraftModel.from_pretrained(a.drafter)
     dtype = next(drafter.parameters()).dtype  # the grown drafter is written in the dtype it was read in
-    drafter.float()
     try:
         grown = grow(drafter, a.extra_layers, a.intermediate_size)
     except ValueError as exc:

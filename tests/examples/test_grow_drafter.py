@@ -1,23 +1,16 @@
 """examples/tiny_target/grow_drafter.py: a grown drafter drafts exactly what the original does, every new weight
 gets a gradient from the first step, it saves and loads as a drafter of its new size, and bad sizes are refused."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from flashdraft import bundled
 from flashdraft.drafter import DFlashDraftModel
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.examples.scripts import load_script
 
 
 def load_grow():
-    spec = importlib.util.spec_from_file_location("grow_drafter", ROOT / "examples" / "tiny_target" / "grow_drafter.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("grow_drafter")
 
 
 @pytest.fixture(scope="module")

@@ -2,26 +2,21 @@
 against the exact value enumerated over every block on a target with a 5-token vocabulary whose next-token
 distributions depend strongly on the tokens before them; and the script end to end on the bundled target."""
 
-import importlib.util
 import itertools
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from flashdraft.target.tiny import build_tiny_target
+from tests.examples.scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "tiny_target" / "parallel_ceiling.py"
 VOCAB, DRAFTS = 5, 3
 
 
 @pytest.fixture(scope="module")
 def ceiling():
-    spec = importlib.util.spec_from_file_location("parallel_ceiling", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("parallel_ceiling")
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,13 @@ import pytest
 import torch
 
 from flashdraft import bundled
+from tests.examples.scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
 PLOT = importlib.util.find_spec("matplotlib") is not None
 
 
 def load_sweep():
-    spec = importlib.util.spec_from_file_location("tiny_target_sweep", ROOT / "examples" / "tiny_target" / "sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("sweep")
 
 
 TINY = [

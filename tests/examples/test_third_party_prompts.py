@@ -1,22 +1,17 @@
 """examples/tiny_target/third_party_prompts.py on a made-up site-packages: one window per package, tests,
 vendored code and flashdraft skipped, the same set for the same seed, a clear stop when there are too few."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parents[2] / "examples" / "tiny_target"
+from tests.examples.scripts import TINY_TARGET, load_script
 
 
 @pytest.fixture
 def script(monkeypatch):
-    monkeypatch.syspath_prepend(str(HERE))  # the script imports corpus.py from its own folder
-    spec = importlib.util.spec_from_file_location("third_party_prompts", HERE / "third_party_prompts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    monkeypatch.syspath_prepend(str(TINY_TARGET))  # the script imports corpus.py from its own folder
+    return load_script("third_party_prompts")
 
 
 def code(name: str, lines: int = 60) -> str:

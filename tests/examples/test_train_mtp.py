@@ -1,9 +1,7 @@
 """examples/tiny_target/train_mtp.py at the smallest size on the CPU: the chained objective trains every step it
 reports, the target's states are cached and reused, and the head is saved under the checkpoint's names."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,16 +9,12 @@ import torch
 from safetensors.torch import load_file
 
 from flashdraft import bundled
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.examples.scripts import load_script
 
 
 @pytest.fixture
 def script():
-    spec = importlib.util.spec_from_file_location("train_mtp", ROOT / "examples" / "tiny_target" / "train_mtp.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train_mtp")
 
 
 @pytest.fixture
