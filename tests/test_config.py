@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from flashdraft.config import ConfigError, RunConfig, describe_fields, load_config
@@ -38,13 +40,14 @@ def test_yaml_and_overrides(tmp_path):
         ("recipe.dpace_alpha=0", "recipe.dpace_alpha = 0.0: must be in (0, 1]"),
         ("recipe.loss=kl", "recipe.loss = 'kl': must be ce or lk"),
         ("recipe.lk_eta=-1", "recipe.lk_eta = -1.0: must be >= 0"),
+        ("recipe.reveal=1", "recipe.reveal = 1.0: must be in [0, 1)"),
         ("recipe.labels=soft", "recipe.labels = 'soft': must be token or target"),
         ("log.trackers=wandb", "log.trackers: expected a list"),
         ("nonsense", "expected section.field=value"),
     ],
 )
 def test_bad_values_name_the_field(override, message):
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override])
 
 

@@ -64,6 +64,12 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--mtp-drafts", type=int, default=3, help="MTP: chained drafts per round (default 3)")
     p.add_argument(
+        "--refine",
+        default=None,
+        help="comma-separated, e.g. 1,3,7: draft each block in passes, fixing that many drafts after each pass and "
+        "drafting the rest again conditioned on them (a drafter trained with recipe.reveal > 0; the plain loop)",
+    )
+    p.add_argument(
         "--context-lengths",
         default=None,
         help="comma-separated token counts, e.g. 1024,8192,32768: also decode every prompt left-padded to each "
@@ -89,6 +95,18 @@ def _parse_baselines(value: str | None) -> tuple[str, ...] | None:
             f"--baselines: unknown {', '.join(unknown) or 'empty list'}; choose from ar, prompt_lookup, mtp"
         )
     return tuple(dict.fromkeys(BASELINE_NAMES[v] for v in names))
+
+
+def _parse_refine(value: str | None) -> tuple[int, ...]:
+    if not value:
+        return ()
+    try:
+        counts = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or any(b <= a for a, b in zip((0, *counts), counts, strict=False)):
+        raise ValueError(f"--refine: expected ascending comma-separated counts of drafts, e.g. 1,3,7; got {value!r}")
+    return counts
 
 
 def _parse_lengths(value: str | None) -> list[int] | None:
@@ -185,6 +203,7 @@ def run(args) -> int:
     if args.mtp_drafts < 1:
         raise ValueError(f"--mtp-drafts must be >= 1, got {args.mtp_drafts}")
     baselines = _parse_baselines(args.baselines)
+    refine = _parse_refine(args.refine)
     context_lengths = _parse_lengths(args.context_lengths)
     if not Path(args.prompts).is_file():  # before loading the models, which can take minutes
         raise FileNotFoundError(f"prompts file {args.prompts} does not exist")
@@ -250,6 +269,7 @@ def run(args) -> int:
         mtp_drafts=args.mtp_drafts,
         context_lengths=context_lengths,
         context_filler=filler,
+        refine=refine,
     )
     report.update(
         target=str(args.target),

@@ -139,6 +139,12 @@ class RecipeConfig:
     the live target, not data.features)."""
     lk_eta: float = 3.0
     """η of the lk loss (>= 0; 0 is cross-entropy): how fast λ moves the weight from CE to 1 - q as q grows."""
+    reveal: float = 0.0
+    """Fraction of blocks (in [0, 1)) that show the drafter a prefix of their true tokens: after the anchor, r of
+    the bs − 1 drafted positions hold their labels instead of MASK (r uniform in 1 … bs − 2) and only the positions
+    after them are learned, weighted as if the block started there. A drafter trained so can draft a block in
+    several passes, each re-drafting the positions after the drafts it keeps (`flashdraft eval --draft-passes`);
+    0 (the paper's) trains single-pass drafting only."""
 
 
 @dataclass(kw_only=True)
@@ -276,6 +282,7 @@ class RunConfig:
                 "target needs the live target's last layer and LM head; offline features (data.features) hold only "
                 "the captured layers: use recipe.labels=token with data.features",
             ),
+            ("recipe.reveal", 0 <= self.recipe.reveal < 1, "must be in [0, 1) (0: every block all MASK, the paper's)"),
             ("recipe.lk_eta", self.recipe.lk_eta >= 0, "must be >= 0 (0 is cross-entropy; 3 is the LK paper's)"),
             ("optim.lr", self.optim.lr > 0, "must be > 0"),
             ("optim.warmup_ratio", 0 <= self.optim.warmup_ratio < 1, "must be in [0, 1)"),

@@ -34,7 +34,7 @@ import torch
 from flashdraft.speculative.baselines import autoregressive_generate, mtp_generate, prompt_lookup_generate
 from flashdraft.speculative.context import ContextFiller
 from flashdraft.speculative.engine.session import prepare
-from flashdraft.speculative.generate import generate, use_engine
+from flashdraft.speculative.generate import generate, use_engine, validate_refine
 from flashdraft.speculative.prompts import Prompt
 from flashdraft.speculative.result import GenerationResult
 from flashdraft.target.mtp import MTPHead
@@ -164,13 +164,15 @@ def evaluate(
     mtp_drafts: int = 3,
     context_lengths: list[int] | None = None,
     context_filler: ContextFiller | None = None,
+    refine: tuple[int, ...] = (),
 ) -> dict:
     """Decode every prompt with DFlash and each of `baselines` (some of `BASELINES`); return the report dict.
 
     engine: as in `flashdraft.speculative.generate` (None: the engine on a CUDA target it supports), for all methods.
     mtp_head: the target's MTP layer (`flashdraft.target.mtp.load_mtp`), for the "mtp" baseline, with `mtp_drafts`
     chained drafts per round. context_lengths: also decode every prompt left-padded to each of these lengths by
-    `context_filler`.
+    `context_filler`. refine: the drafter drafts each block in passes (`flashdraft.speculative.generate`); every
+    method then decodes in the plain loop.
     """
     if not prompts:
         raise ValueError("evaluate needs at least one prompt")
@@ -183,14 +185,15 @@ def evaluate(
         raise ValueError("context_lengths needs a context_filler (flashdraft.speculative.context.ContextFiller)")
     methods = tuple(m for m in METHODS if m == "dflash" or m in baselines)
     block_size = int(drafter.block_size if block_size is None else block_size)
+    refine = validate_refine(refine, block_size)  # before the first decode
     device = next(target.parameters()).device
-    engine = use_engine(target, engine, drafter)  # decided once: every method decodes on the same path
+    engine = use_engine(target, engine, drafter, refine)  # decided once: every method decodes on the same path
 
     def decode(method: str, input_ids: torch.Tensor, max_new: int, seed: int) -> GenerationResult:
         gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
         common = dict(temperature=temperature, stop_token_ids=stop_token_ids, generator=gen, engine=engine)
         if method == "dflash":
-            return generate(target, drafter, input_ids, max_new, block_size=block_size, **common)
+            return generate(target, drafter, input_ids, max_new, block_size=block_size, refine=refine, **common)
         if method == "autoregressive":
             return autoregressive_generate(target, input_ids, max_new, **common)
         if method == "mtp":
@@ -229,6 +232,7 @@ def evaluate(
         "greedy_mismatches_by_method": mismatches if greedy_checked else None,
         "backend": "/".join(sorted(set().union(*(run.backends for run in runs)))),
         "block_size": block_size,
+        "refine": list(refine),
         "temperature": temperature,
         "max_new_tokens": max_new_tokens,
         "methods_run": list(methods),

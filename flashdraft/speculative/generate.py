@@ -28,6 +28,7 @@ prompt lookup proposes n-gram continuations.
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Protocol
 
@@ -58,7 +59,14 @@ class Proposer(Protocol):
 
 
 class DFlashProposer:
-    """Drafts a block with a DFlash drafter, keeping the drafter's own cache of context keys and values."""
+    """Drafts a block with a DFlash drafter, keeping the drafter's own cache of context keys and values.
+
+    refine: draft the block in several passes. Each entry is how many drafts are fixed after a pass (ascending):
+    (3,) keeps the first 3 drafts of the first pass, writes them into the block in place of their MASKs and drafts
+    the rest again, now conditioned on them; (1, 3, 7) takes four passes. A drafter learns to use such tokens from
+    `recipe.reveal`. Each pass is one more drafter forward over the block only (the context is cached); the drafts
+    of a pass are still drawn independently of each other, so verification stays exact.
+    """
 
     def __init__(
         self,
@@ -69,11 +77,13 @@ class DFlashProposer:
         top_p: float = 1.0,
         top_k: int = 0,
         generator: torch.Generator | None = None,
+        refine: tuple[int, ...] = (),
     ):
         self.drafter, self.block_size = drafter, block_size
         self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         self.sampling = (temperature, top_p, top_k)
         self.generator = generator
+        self.refine = validate_refine(refine, block_size)
         self.feature_layers = list(drafter.target_layer_ids)
         self.mask_token_id = int(drafter.mask_token_id)
         self.dtype = next(drafter.parameters()).dtype
@@ -95,22 +105,38 @@ class DFlashProposer:
         # Always draft the full trained block, even when fewer drafts are wanted near max_new_tokens.
         block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=tokens.device)
         block[0, 0] = tokens[-1]
-        positions = torch.arange(self.cached, anchor + self.block_size, device=tokens.device)[None]
-        hidden = self.drafter(
-            position_ids=positions,
-            noise_embedding=self.embed(block).to(self.dtype),
-            target_hidden=context,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
-        rollback.crop_kv(self.cache, anchor)
-        self.cached = anchor
-        logits = self.drafter.compute_logits(hidden[0, 1 : 1 + num_drafts], self.lm_head)
         temperature, top_p, top_k = self.sampling
-        if temperature <= 0:
-            return logits.argmax(dim=-1), None
-        probs = sampling_probs(logits, temperature, top_p, top_k)
-        return sample(probs, self.generator), probs
+        drafts, probs, fixed = [], [], 0
+        for keep in (*[k for k in self.refine if k < num_drafts], num_drafts):
+            positions = torch.arange(anchor - context.shape[1], anchor + self.block_size, device=tokens.device)[None]
+            hidden = self.drafter(
+                position_ids=positions,
+                noise_embedding=self.embed(block).to(self.dtype),
+                target_hidden=context,
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+            rollback.crop_kv(self.cache, anchor)
+            self.cached, context = anchor, context[:, :0]  # later passes: the context is all in the cache
+            logits = self.drafter.compute_logits(hidden[0, 1 + fixed : 1 + keep], self.lm_head)
+            if temperature <= 0:
+                drafts.append(logits.argmax(dim=-1))
+            else:
+                probs.append(sampling_probs(logits, temperature, top_p, top_k))
+                drafts.append(sample(probs[-1], self.generator))
+            block[0, 1 + fixed : 1 + keep] = drafts[-1]
+            fixed = keep
+        return torch.cat(drafts), torch.cat(probs) if probs else None
+
+
+def validate_refine(refine, block_size: int) -> tuple[int, ...]:
+    """`DFlashProposer`'s refine schedule, checked: ascending counts of fixed drafts in 1 … block_size − 2."""
+    refine = tuple(int(k) for k in refine)
+    if any(b <= a for a, b in itertools.pairwise(refine)) or any(not 1 <= k <= block_size - 2 for k in refine):
+        raise ValueError(
+            f"refine {list(refine)}: counts of drafts fixed after each pass must ascend within 1 … {block_size - 2}"
+        )
+    return refine
 
 
 def _now(device: torch.device) -> float:
@@ -229,16 +255,21 @@ def speculative_decode(
     return result
 
 
-def use_engine(target: torch.nn.Module, engine: bool | None, drafter: torch.nn.Module | None = None) -> bool:
+def use_engine(
+    target: torch.nn.Module, engine: bool | None, drafter: torch.nn.Module | None = None, refine: tuple[int, ...] = ()
+) -> bool:
     """Whether to decode with `flashdraft.speculative.engine`: None (auto) = on a CUDA target the engine supports (its
     CUDA-graph path passed the whole GPU suite and bench/spec_engine.py's goals on the H200); True =
     always (a ValueError says why it cannot); False = never (this module's plain loop).
 
     The engine computes in the models' own dtypes (static caches, no autocast), so a `drafter` whose dtype is not
-    the target's (float32 master weights beside a bf16 target, during training) takes the plain loop."""
+    the target's (float32 master weights beside a bf16 target, during training) takes the plain loop, and
+    so does drafting in several passes (`refine`)."""
     if engine is False or (engine is None and next(target.parameters()).device.type != "cuda"):
         return False
     reason = engine_session.engine_available(target)
+    if reason is None and refine:
+        reason = "the engine drafts each block in one pass (refine needs the plain loop)"
     if reason is None and drafter is not None:
         target_dtype, drafter_dtype = next(target.parameters()).dtype, next(drafter.parameters()).dtype
         if drafter_dtype != target_dtype:
@@ -265,6 +296,7 @@ def generate(
     generator: torch.Generator | None = None,
     max_deferred: int | None = None,
     engine: bool | None = None,
+    refine: tuple[int, ...] = (),
 ) -> GenerationResult:
     """Decode up to `max_new_tokens` after `input_ids` (batch 1) with DFlash speculative decoding.
 
@@ -273,17 +305,19 @@ def generate(
     block_size: drafted block incl. the anchor (default: the drafter's); stop_token_ids: stop after emitting one.
     engine: None (default) decodes with `flashdraft.speculative.engine` (static caches, CUDA graphs) on a CUDA target it
     supports and with this module's loop otherwise; True / False force one of them. max_deferred: plain loop only.
+    refine: draft each block in several passes (`DFlashProposer`; plain loop only), for a drafter trained with
+    `recipe.reveal`.
     """
     block_size = int(drafter.block_size if block_size is None else block_size)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     common = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator)
-    if use_engine(target, engine, drafter if block_size > 1 else None):
+    if use_engine(target, engine, drafter if block_size > 1 else None, refine):
         drafter = drafter if block_size > 1 else None
         return engine_session.engine_decode(
             target, input_ids, max_new_tokens, drafter=drafter, block_size=block_size, **common
         )
-    proposer = DFlashProposer(drafter, target, block_size, temperature, top_p, top_k, generator)
+    proposer = DFlashProposer(drafter, target, block_size, temperature, top_p, top_k, generator, refine)
     return speculative_decode(
         target,
         input_ids,

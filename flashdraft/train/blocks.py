@@ -16,6 +16,9 @@ Decisions (each is what inference does, so that training and serving see the sam
   block (p + bs - 1 <= T - 1).
 - Block a holds the token at its anchor, then MASK tokens; its labels are the tokens at p_a + k for k >= 1 that
   are response tokens, weighted w_k = exp(-(k - 1) / γ) (train/loss/ sums Σ w·CE / Σ w).
+- With `recipe.reveal`, some blocks show their first r labels in place of MASK (`sample_reveals`): what a block
+  drafted in several passes sees when its kept drafts are right, the only case in which later drafts count. Those r
+  positions are inputs, not labels, and the rest are weighted from the first hidden one: w_k = exp(-(k - 1 - r) / γ).
 """
 
 from __future__ import annotations
@@ -99,6 +102,18 @@ def sample_anchors(
     return candidates[pick].sort().values
 
 
+def sample_reveals(count: int, block_size: int, fraction: float, generator: torch.Generator | None = None):
+    """(count,) how many drafted positions each block reveals: 0, or with probability `fraction` a number drawn
+    uniformly from 1 … block_size − 2 (at least one position stays hidden to learn)."""
+    if not 0 <= fraction < 1:
+        raise ValueError(f"reveal fraction must be in [0, 1), got {fraction}")
+    if fraction == 0 or block_size < 3:
+        return torch.zeros(count, dtype=torch.long)
+    chosen = torch.rand(count, generator=generator) < fraction
+    sizes = torch.randint(1, block_size - 1, (count,), generator=generator)
+    return torch.where(chosen, sizes, 0)
+
+
 # ---- packed blocks ---------------------------------------------------------------------------------------------
 
 
@@ -107,7 +122,8 @@ class DraftBatch:
     """A batch of packed blocks, A per sequence; Q = A * block_size query tokens after T context positions."""
 
     block_ids: torch.Tensor
-    """(B, Q) [token at the anchor, MASK x (bs - 1)] per block; MASK only for padding blocks."""
+    """(B, Q) [token at the anchor, MASK x (bs - 1)] per block (the first r MASKs replaced by their tokens in a
+    block that reveals r); MASK only for padding blocks."""
     position_ids: torch.Tensor
     """(B, T + Q) 0..T-1 for the context, then p_a + k for block a."""
     labels: torch.Tensor
@@ -165,12 +181,14 @@ def build_blocks(
     mask_token_id: int,
     gamma: float | None = None,
     num_blocks: int | None = None,
+    reveals: Sequence[torch.Tensor] | None = None,
 ) -> DraftBatch:
     """Pack one block per anchor (see `DraftBatch`); `gamma` defaults to `gamma_for(block_size)`.
 
     `input_ids`/`loss_mask` are (B, T), right-padded (padding has loss_mask 0). `anchors` is a list of per-sequence
     (A_b,) tensors (e.g. from `sample_anchors`) or a (B, A) tensor padded with PAD_ANCHOR. `num_blocks` pads every
-    sequence to that many blocks (static shapes); by default, to the most anchors of any sequence.
+    sequence to that many blocks (static shapes); by default, to the most anchors of any sequence. `reveals`: per
+    sequence, how many drafted positions each of its blocks reveals (`sample_reveals`, one per anchor); default none.
     """
     if input_ids.shape != loss_mask.shape or input_ids.ndim != 2:
         raise ValueError(
@@ -194,10 +212,18 @@ def build_blocks(
     tokens = input_ids.gather(1, safe).view(batch, num_blocks, block_size)
     response = loss_mask.bool().gather(1, safe).view(batch, num_blocks, block_size)
     labelled = valid[..., None] & inside & response & (k >= 1)
+    revealed = torch.zeros_like(anchors)
+    if reveals is not None:
+        if len(reveals) != batch or any(r.numel() != a for r, a in zip(reveals, valid.sum(1).tolist(), strict=True)):
+            raise ValueError("reveals must give one count per anchor of each sequence")
+        for row, r in enumerate(reveals):
+            revealed[row, : r.numel()] = r.to(device)
+    shown = labelled & (k <= revealed[..., None])  # k >= 1 by `labelled`
 
-    block_ids = torch.full_like(tokens, mask_token_id)
+    block_ids = torch.where(shown, tokens, mask_token_id)
     block_ids[..., 0] = torch.where(valid, tokens[..., 0], mask_token_id)
-    decay = torch.exp(-(k - 1).clamp(min=0).float() / gamma)
+    labelled = labelled & ~shown
+    decay = torch.exp(-(k - 1 - revealed[..., None]).clamp(min=0).float() / gamma)
     context_pos = torch.arange(length, device=device).expand(batch, -1)
     return DraftBatch(
         block_ids=block_ids.view(batch, -1),
@@ -228,4 +254,5 @@ __all__ = [
     "gamma_for",
     "pad_anchors",
     "sample_anchors",
+    "sample_reveals",
 ]

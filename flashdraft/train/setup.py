@@ -30,7 +30,7 @@ from flashdraft.devices import resolve_device, resolve_dtype
 from flashdraft.drafter import DFlashDraftModel
 from flashdraft.target import FrozenTarget, build_target, check_fp8, glue_compile_enabled
 from flashdraft.train import data_parallel, distributed
-from flashdraft.train.blocks import DraftBatch, anchor_generator, build_blocks, sample_anchors
+from flashdraft.train.blocks import DraftBatch, anchor_generator, build_blocks, sample_anchors, sample_reveals
 from flashdraft.train.compile import compile_drafter, resolve_auto_compile
 from flashdraft.train.flops import Peak, describe, device_peak, step_flops
 from flashdraft.train.wallclock import WallClock
@@ -285,17 +285,25 @@ def step_blocks(
     s: Setup, cfg: RunConfig, ids, mask, indices: list[int], epoch: int, width: int | None = None
 ) -> DraftBatch:
     """The drafted blocks of one micro-batch: anchors seeded by (seed, epoch, sample); `width`: static shapes."""
-    anchors = [
-        sample_anchors(
-            mask[row].cpu(),
-            cfg.recipe.num_anchors,
-            s.drafter.block_size,
-            anchor_generator(cfg.train.seed, epoch, index),
-            cfg.recipe.anchor_sampling,
+    bs = s.drafter.block_size
+    anchors, reveals = [], []
+    for row, index in enumerate(indices):
+        generator = anchor_generator(cfg.train.seed, epoch, index)
+        anchors.append(
+            sample_anchors(mask[row].cpu(), cfg.recipe.num_anchors, bs, generator, cfg.recipe.anchor_sampling)
         )
-        for row, index in enumerate(indices)
-    ]
+        # Drawn after the anchors, so that the anchors do not depend on recipe.reveal.
+        reveals.append(sample_reveals(anchors[-1].numel(), bs, cfg.recipe.reveal, generator))
     num_blocks = None
     if width is not None:
         ids, mask, num_blocks = pad_positions(ids, width), pad_positions(mask, width), cfg.recipe.num_anchors
-    return build_blocks(ids, mask, anchors, s.drafter.block_size, s.drafter.mask_token_id, cfg.recipe.gamma, num_blocks)
+    return build_blocks(
+        ids,
+        mask,
+        anchors,
+        bs,
+        s.drafter.mask_token_id,
+        cfg.recipe.gamma,
+        num_blocks,
+        reveals if cfg.recipe.reveal else None,
+    )

@@ -325,3 +325,19 @@ def test_plot_without_matplotlib_is_refused_before_the_models_load(capsys, tmp_p
     assert capsys.readouterr().err.strip().splitlines() == [
         "flashdraft eval: error: --plot needs matplotlib: pip install 'flashdraft[plot]', or leave out --plot"
     ]
+
+
+def test_eval_refine_drafts_in_passes(models, tmp_path, capsys):
+    from flashdraft.cli import main
+
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": f"the {w} sat on the mat"}) for w in WORDS[:3]])
+    common = ["eval", "--target", str(models / "target"), "--drafter", str(models / "drafter"), "--prompts"]
+    common += [str(prompts), "--max-new-tokens", "12", "--no-progress", "--device", "cpu"]
+    assert main([*common, "--refine", "1,2", "--json", str(tmp_path / "r.json")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["refine"] == [1, 2] and report["greedy_mismatches"] == 0
+    capsys.readouterr()
+    for bad, message in (("1,x", "expected ascending"), ("2,1", "expected ascending"), ("3", "within 1 … 2")):
+        assert main([*common, "--refine", bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (bad, err)

@@ -225,6 +225,63 @@ def test_entry_points_make_a_plain_transformers_model_runnable(plain_hybrid, ent
     assert run().tokens == first.tokens  # applying the fast path again changes nothing
 
 
+@pytest.mark.parametrize("block_size,refine", [(4, (1, 2)), (16, (1, 3, 7)), (16, (14,))])
+def test_refined_drafting_keeps_greedy_exact(setup, block_size, refine):
+    target, drafter, cases = setup
+    with ready(target):
+        for i, (prompt, max_new, expected) in enumerate(cases[:6]):
+            result = generate(target, drafter, prompt, max_new, block_size=block_size, refine=refine)
+            assert result.tokens == expected, f"prompt {i}, block size {block_size}, refine {refine}"
+            _check_stats(result, block_size)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_each_pass_drafts_from_the_block_with_the_fixed_drafts(setup, temperature):
+    """Pass by pass, the drafts (and at T > 0 the distributions they were drawn from) are those of an uncached
+    drafter forward over the whole context and the block holding the drafts fixed so far."""
+    from flashdraft.drafter import select_context_features
+    from flashdraft.speculative.generate import DFlashProposer
+    from flashdraft.speculative.sampling import sampling_probs
+
+    target, _, cases = setup
+    drafter = random_drafter(target, block_size=16, seed=21)
+    with torch.no_grad():  # larger weights than the initialisation's, so that the drafts depend on the block
+        for weight in drafter.parameters():
+            weight.mul_(30 if weight.ndim == 2 else 1)
+    prompt = cases[1][0][0]
+    anchor, mask = 7, drafter.mask_token_id
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    with ready(target), torch.no_grad():
+        hidden_states = target(input_ids=prompt[None], output_hidden_states=True).hidden_states
+        context = select_context_features(hidden_states, drafter.target_layer_ids)
+
+        def propose(refine):
+            generator = torch.Generator().manual_seed(3)
+            proposer = DFlashProposer(drafter, target, 16, temperature, generator=generator, refine=refine)
+            proposer.observe(context)
+            return proposer.propose(torch.cat([prompt, torch.tensor([anchor])]), 15)
+
+        drafts, probs = propose((2, 5))
+        block = torch.tensor([[anchor] + [mask] * 15])
+        positions = torch.arange(prompt.numel() + 16)[None]
+        for lo, hi in ((0, 2), (2, 5), (5, 15)):
+            hidden = drafter(position_ids=positions, noise_embedding=embed(block), target_hidden=context)
+            logits = drafter.compute_logits(hidden[0, 1 + lo : 1 + hi], head)
+            if temperature == 0:
+                assert drafts[lo:hi].tolist() == logits.argmax(-1).tolist(), (lo, hi)
+            else:
+                torch.testing.assert_close(probs[lo:hi], sampling_probs(logits, temperature, 1.0, 0))
+            block[0, 1 + lo : 1 + hi] = drafts[lo:hi]
+        assert (probs is None) == (temperature == 0)
+        # The passes changed something: one pass alone drafts otherwise from the third draft on.
+        single = propose(())
+        assert drafts[:2].tolist() == single[0][:2].tolist()
+        if temperature == 0:
+            assert drafts[5:].tolist() != single[0][5:].tolist()
+        else:
+            assert not torch.allclose(probs[5:], single[1][5:])
+
+
 def test_prompt_lookup_proposals():
     from flashdraft.speculative.baselines import PromptLookupProposer
 
@@ -250,3 +307,7 @@ def test_bad_inputs(setup, engine):
         generate(target, drafter, ids, 4, temperature=-1.0, engine=engine)
     with pytest.raises(ValueError, match="top_p"):
         generate(target, drafter, ids, 4, temperature=1.0, top_p=0.0, engine=engine)
+    with pytest.raises(ValueError, match="must ascend within 1 … 14"):
+        generate(target, drafter, ids, 4, refine=(3, 2), engine=False)
+    with pytest.raises(ValueError, match="must ascend within 1 … 2"):
+        generate(target, drafter, ids, 4, block_size=4, refine=(3,), engine=False)

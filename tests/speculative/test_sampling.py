@@ -268,15 +268,17 @@ def _exact_joint_of_tokens_2_and_3(target, temperature, top_p, top_k) -> torch.T
 CASES = {
     # hybrid target, DFlash; max_new_tokens 4 puts x2 and x3 in one verified block (accept/accept,
     # accept/correct, correct then a second speculative round)
-    "dflash-hybrid": ("qwen3_5", 4, 1.0, 1.0, 0),
+    "dflash-hybrid": ("qwen3_5", 4, 1.0, 1.0, 0, ()),
     # plain target, DFlash with top-k/top-p; max_new_tokens 3: x3 is the bonus token after an accepted x2
-    "dflash-plain-filtered": ("qwen3", 3, 0.8, 0.9, 6),
+    "dflash-plain-filtered": ("qwen3", 3, 0.8, 0.9, 6, ()),
+    # hybrid target, the block drafted in two passes: x2's draft is drawn given x1's
+    "dflash-hybrid-refined": ("qwen3_5", 4, 1.0, 1.0, 0, (1,)),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_equals_target_distribution(case):
-    family, max_new, temperature, top_p, top_k = CASES[case]
+    family, max_new, temperature, top_p, top_k, refine = CASES[case]
     # float32 and transformers' own torch delta rule: sampling exactness does not need float64.
     target = tiny_target(family, num_layers=4, vocab_size=VOCAB8, seed=3, dtype=torch.float32)
     with torch.no_grad():  # peaked distributions, so that drafts are often rejected and corrections matter
@@ -289,7 +291,18 @@ def test_speculative_sampling_equals_target_distribution(case):
     with ready(target):
         expected = _exact_joint_of_tokens_2_and_3(target, temperature, top_p, top_k)
         for _ in range(trials):
-            r = generate(target, drafter, PROMPT, max_new, temperature, top_p, top_k, block_size=3, generator=g)
+            r = generate(
+                target,
+                drafter,
+                PROMPT,
+                max_new,
+                temperature,
+                top_p,
+                top_k,
+                block_size=3,
+                generator=g,
+                refine=refine,
+            )
             counts[r.tokens[1], r.tokens[2]] += 1
             accepted_any += any(a > 1 for a in r.acceptance_lengths)
     pvalue = chi_square_pvalue(counts, expected)

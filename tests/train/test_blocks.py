@@ -13,6 +13,7 @@ from flashdraft.train.blocks import (
     build_blocks,
     gamma_for,
     sample_anchors,
+    sample_reveals,
 )
 from tests.train import tiny_recipe
 from tests.train.tiny_recipe import BS, M
@@ -96,6 +97,49 @@ def test_build_blocks_hand_made():
     assert empty.anchors.tolist() == [[PAD_ANCHOR]] * 2 and (empty.labels == x).all()
     with pytest.raises(ValueError, match="anchors must lie in"):
         build_blocks(ids, loss_mask, [torch.tensor([10]), torch.tensor([1])], BS, M)
+
+
+def test_build_blocks_reveals_a_prefix():
+    """A block that reveals r shows its first r labels in place of MASK, learns only the positions after them, and
+    weighs those as a block starting there; labels past the response are never shown."""
+    ids = torch.tensor([list(range(10, 20)), list(range(20, 30))])
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1, 1, 1]])
+    anchors = [torch.tensor([3, 6]), torch.tensor([7])]
+    batch = build_blocks(ids, loss_mask, anchors, BS, M, gamma=2.0, reveals=[torch.tensor([2, 3]), torch.tensor([1])])
+    x, e1 = IGNORE_INDEX, math.exp(-1 / 2)
+
+    # Row 0, block 1 reveals 3 but only 17 is a response token: 18 and 19 stay hidden (and unlabelled).
+    assert batch.block_ids.tolist() == [[13, 14, 15, M, 16, 17, M, M], [27, 28, M, M, M, M, M, M]]
+    assert batch.labels.tolist() == [[x, x, x, 16, x, x, x, x], [x, x, 29, x, x, x, x, x]]
+    torch.testing.assert_close(
+        batch.weights, torch.tensor([[0, 0, 0, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    )
+    # Revealing 0 is the plain block, weights included.
+    plain = build_blocks(ids, loss_mask, anchors, BS, M, gamma=2.0)
+    zero = [torch.zeros(2, dtype=torch.long), torch.zeros(1, dtype=torch.long)]
+    zero = build_blocks(ids, loss_mask, anchors, BS, M, gamma=2.0, reveals=zero)
+    for name in ("block_ids", "labels", "weights", "position_ids"):
+        assert torch.equal(getattr(zero, name), getattr(plain, name)), name
+    # With one more block on the first row: weights count from the first hidden position.
+    wide = build_blocks(
+        ids[:1], torch.ones(1, 10, dtype=torch.long), [torch.tensor([1])], 8, M, 2.0, None, [torch.tensor([2])]
+    )
+    assert wide.labels.tolist() == [[x, x, x, 14, 15, 16, 17, 18]]
+    torch.testing.assert_close(wide.weights[0, 3:5], torch.tensor([1.0, e1]))
+    with pytest.raises(ValueError, match="one count per anchor"):
+        build_blocks(ids, loss_mask, anchors, BS, M, reveals=[torch.tensor([1]), torch.tensor([1])])
+
+
+def test_sample_reveals():
+    g = torch.Generator().manual_seed(0)
+    assert sample_reveals(50, 16, 0.0, g).tolist() == [0] * 50
+    assert sample_reveals(50, 2, 0.5, g).tolist() == [0] * 50  # nothing to reveal: one drafted position
+    drawn = sample_reveals(4000, 16, 0.3, g)
+    shown = drawn[drawn > 0]
+    assert 0.3 * 4000 - 150 < shown.numel() < 0.3 * 4000 + 150  # ~5 standard deviations
+    assert set(shown.tolist()) == set(range(1, 15))  # 1 … bs − 2: one position always stays hidden
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        sample_reveals(4, 16, 1.0, g)
 
 
 # ---- the context side: feature i belongs to token i ----------------------------------------------------------

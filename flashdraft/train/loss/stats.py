@@ -60,10 +60,14 @@ def simulated_tau(acc_per_position: torch.Tensor) -> torch.Tensor:
 def block_stats(
     hits: torch.Tensor, labelled: torch.Tensor, loss_sum: torch.Tensor, weight_sum: torch.Tensor, block_size: int
 ) -> LossStats:
-    """`LossStats` of one call from (B, Q) argmax hits and labelled positions (both bool, unlabelled hits ignored)."""
+    """`LossStats` of one call from (B, Q) argmax hits and labelled positions (both bool, unlabelled hits ignored).
+
+    The counts cover the blocks drafted from MASK alone (position 1 labelled: every block unless `recipe.reveal`
+    showed some of its labels), which is what single-pass drafting sees; the loss covers every block."""
     batch = labelled.shape[0]
     hits = hits.view(batch, -1, block_size)
     shaped = labelled.view(batch, -1, block_size)
+    shaped = shaped & shaped[..., 1:2]
     # A block's accepted run: labelled-and-correct positions from k = 1 up to the first miss.
     run = torch.cumprod((hits & shaped)[..., 1:].long(), dim=-1).sum(-1)
     return LossStats(
