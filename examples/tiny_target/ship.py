@@ -1,12 +1,14 @@
 """Ship a tiny-target drafter as the package's bundled default (flashdraft/bundled/).
 
     python examples/tiny_target/ship.py --drafter build/tiny_target/drafter_run/checkpoints/step_00003044/drafter
+    python examples/tiny_target/ship.py --drafter-only --drafter runs/finetune/checkpoints/step_00001000/drafter
 
 Writes, each replaced atomically:
   drafter/      the drafter in bf16 (config + safetensors): what `flashdraft train` fine-tunes and `flashdraft eval`
                 falls back to;
   train.jsonl   a seeded sample of the regenerated rows, T=0 and T=1 (what the bundled default trains on, on a CPU);
   eval.jsonl    the held-out prompts (files neither the target nor the drafter saw).
+--drafter-only replaces the drafter and keeps the shipped rows and prompts (a drafter fine-tuned from the shipped one).
 The target and tokenizer are not touched: they ship from examples/tiny_target/train_target.py's run.
 """
 
@@ -82,9 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--build", type=Path, default=Path("build/tiny_target"))
     p.add_argument("--rows", type=int, default=384, help="rows sampled from each of regen_t0.jsonl, regen_t1.jsonl")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drafter-only", action="store_true", help="replace the drafter only; keep train.jsonl, eval.jsonl")
     p.add_argument("--out", type=Path, default=ASSETS)
     a = p.parse_args(argv)
     ship_drafter(a.drafter, a.out / "drafter")
+    if a.drafter_only:
+        print(f"shipped {a.drafter} (bf16) -> {a.out / 'drafter'}")
+        return
     rows = sample_rows([a.build / "regen_t0.jsonl", a.build / "regen_t1.jsonl"], a.rows, a.seed)
     write_jsonl(rows, a.out / "train.jsonl")
     held = [json.loads(line) for line in open(a.build / "corpus" / "heldout_prompts.jsonl") if line.strip()]

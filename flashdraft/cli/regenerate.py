@@ -87,9 +87,14 @@ def run(args) -> int:
         seed=args.seed,
         progress=not args.no_progress,
     )
+    empty = (
+        f"; {counts['empty']} got an empty response (the target stopped at once) and were not written"
+        if counts["empty"]
+        else ""
+    )
     Console().print(
         f"regenerated {counts['written']} records with {backend} into {args.out} "
-        f"({counts['already_done']} already done, {counts['read']} read) in {counts['seconds']} s",
+        f"({counts['already_done']} already done, {counts['read']} read) in {counts['seconds']} s{empty}",
         soft_wrap=True,
     )
     return EXIT_OK

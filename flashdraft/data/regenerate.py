@@ -219,7 +219,10 @@ def regenerate(
     seed: int = 0,
     progress: bool = True,
 ) -> dict:
-    """Regenerate the responses of `data` with `target`; returns counts (read, written, skipped_done).
+    """Regenerate the responses of `data` with `target`; returns counts (read, written, already_done, empty, seconds).
+
+    An empty reply (the target stopped at once) is not written, since training refuses an empty response; it is
+    counted under `empty` and asked for again by a resumed run.
 
     `target`: an HF causal LM (generated with transformers), or a generator such as VLLMGenerator.
     """
@@ -239,7 +242,7 @@ def regenerate(
             break
         if index not in done:
             jobs.append(_job(index, rec))
-    counts = {"read": len(jobs) + len(done), "written": 0, "already_done": len(done), "seconds": 0.0}
+    counts = {"read": len(jobs) + len(done), "written": 0, "already_done": len(done), "empty": 0, "seconds": 0.0}
     texts = {j.index: _render(j, tokenizer) for j in jobs}
     if isinstance(generate, HFGenerator):
         jobs = _length_sorted_runs(jobs, texts, batch_size)
@@ -250,6 +253,9 @@ def regenerate(
             chunk = jobs[start : start + batch_size]
             replies = generate([texts[j.index] for j in chunk], temperature, max_new_tokens, seed + start)
             for job, reply in zip(chunk, replies, strict=True):
+                if not reply:
+                    counts["empty"] += 1
+                    continue
                 row = (
                     {"messages": [*job.messages, {"role": "assistant", "content": reply}]}
                     if job.kind == "chat"
@@ -258,7 +264,7 @@ def regenerate(
                 fh.write(json.dumps({**row, "source": job.where, "_index": job.index}) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
-            counts["written"] += len(chunk)
+            counts["written"] += len(chunk) - sum(not reply for reply in replies)
             bar.advance(task, len(chunk))
     counts["seconds"] = round(time.perf_counter() - started, 1)
     return counts

@@ -43,7 +43,7 @@ def test_output_shapes_and_batching(tmp_path, target_and_tokenizer):
     src = _write(tmp_path / "in.jsonl", ROWS)
     counts = regenerate(target, tok, [str(src)], tmp_path / "b.jsonl", max_new_tokens=6, batch_size=3, progress=False)
     assert counts.pop("seconds") >= 0
-    assert counts == {"read": 5, "written": 5, "already_done": 0}
+    assert counts == {"read": 5, "written": 5, "already_done": 0, "empty": 0}
     written = _read(tmp_path / "b.jsonl")
     # Written in batches of similar prompt length; each row keeps its record's index.
     assert [r["_index"] for r in written] != [0, 1, 2, 3, 4]
@@ -89,7 +89,7 @@ def test_resume_skips_done_records_and_drops_a_torn_line(tmp_path, target_and_to
         fh.write('{"prompt": "half a li')  # killed mid-write
     counts = regenerate(target, tok, [str(src)], out, max_new_tokens=4, batch_size=2, progress=False)
     assert counts.pop("seconds") >= 0
-    assert counts == {"read": 5, "written": 2, "already_done": 3}
+    assert counts == {"read": 5, "written": 2, "already_done": 3, "empty": 0}
     assert sorted(r["_index"] for r in _read(out)) == [0, 1, 2, 3, 4]
 
 
@@ -167,6 +167,21 @@ def test_vllm_backend_is_driven_through_its_offline_api(tmp_path, monkeypatch):
     assert calls[1][2] == {"temperature": 0.7, "max_tokens": 5, "seed": 0} and calls[2][2]["seed"] == 2
     rows = _read(tmp_path / "o.jsonl")
     assert [r["response"] for r in rows] == [f"<reply to {len(ROWS[i]['prompt'])} chars>" for i in (0, 3, 4)]
+
+
+def test_empty_replies_are_counted_not_written(tmp_path):
+    """Training refuses an empty response, so a prompt the target answers with nothing (it stopped at once) is
+    counted and left out; a resumed run asks for it again."""
+    src = _write(tmp_path / "in.jsonl", ROWS[:1] + ROWS[3:])
+    replies = iter([["", "b"], ["c"], ["again"]])
+    generate = lambda texts, *rest: next(replies)[: len(texts)]  # noqa: E731
+    out = tmp_path / "o.jsonl"
+    counts = regenerate(generate, bundled.load_tokenizer(), [str(src)], out, batch_size=2, progress=False)
+    assert (counts["written"], counts["empty"]) == (2, 1)
+    assert sorted(r["response"] for r in _read(out)) == ["b", "c"]
+    counts = regenerate(generate, bundled.load_tokenizer(), [str(src)], out, batch_size=2, progress=False)
+    assert (counts["already_done"], counts["written"], counts["empty"]) == (2, 1, 0)
+    assert sorted(r["response"] for r in _read(out)) == ["again", "b", "c"]
 
 
 def test_missing_engine_is_a_clear_error(monkeypatch):
