@@ -171,8 +171,8 @@ def evaluate(
     engine: as in `flashdraft.speculative.generate` (None: the engine on a CUDA target it supports), for all methods.
     mtp_head: the target's MTP layer (`flashdraft.target.mtp.load_mtp`), for the "mtp" baseline, with `mtp_drafts`
     chained drafts per round. context_lengths: also decode every prompt left-padded to each of these lengths by
-    `context_filler`. refine: the drafter drafts each block in passes (`flashdraft.speculative.generate`); every
-    method then decodes in the plain loop.
+    `context_filler`. refine: the drafter drafts each block in passes (`flashdraft.speculative.generate`); when
+    sampling, every method then decodes in the plain loop.
     """
     if not prompts:
         raise ValueError("evaluate needs at least one prompt")
@@ -187,7 +187,9 @@ def evaluate(
     block_size = int(drafter.block_size if block_size is None else block_size)
     refine = validate_refine(refine, block_size)  # before the first decode
     device = next(target.parameters()).device
-    engine = use_engine(target, engine, drafter, refine)  # decided once: every method decodes on the same path
+    engine = use_engine(
+        target, engine, drafter, refine, temperature
+    )  # decided once: every method decodes on the same path
 
     def decode(method: str, input_ids: torch.Tensor, max_new: int, seed: int) -> GenerationResult:
         gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None

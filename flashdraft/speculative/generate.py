@@ -256,20 +256,24 @@ def speculative_decode(
 
 
 def use_engine(
-    target: torch.nn.Module, engine: bool | None, drafter: torch.nn.Module | None = None, refine: tuple[int, ...] = ()
+    target: torch.nn.Module,
+    engine: bool | None,
+    drafter: torch.nn.Module | None = None,
+    refine: tuple[int, ...] = (),
+    temperature: float = 0.0,
 ) -> bool:
     """Whether to decode with `flashdraft.speculative.engine`: None (auto) = on a CUDA target the engine supports (its
     CUDA-graph path passed the whole GPU suite and bench/spec_engine.py's goals on the H200); True =
     always (a ValueError says why it cannot); False = never (this module's plain loop).
 
     The engine computes in the models' own dtypes (static caches, no autocast), so a `drafter` whose dtype is not
-    the target's (float32 master weights beside a bf16 target, during training) takes the plain loop, and
-    so does drafting in several passes (`refine`)."""
+    the target's (float32 master weights beside a bf16 target, during training) takes the plain loop, and so
+    does sampling (`temperature` > 0) with drafts made in several passes (`refine`): the engine refines greedily."""
     if engine is False or (engine is None and next(target.parameters()).device.type != "cuda"):
         return False
     reason = engine_session.engine_available(target)
-    if reason is None and refine:
-        reason = "the engine drafts each block in one pass (refine needs the plain loop)"
+    if reason is None and refine and temperature > 0:
+        reason = "the engine drafts in passes only greedily (refine when sampling needs the plain loop)"
     if reason is None and drafter is not None:
         target_dtype, drafter_dtype = next(target.parameters()).dtype, next(drafter.parameters()).dtype
         if drafter_dtype != target_dtype:
@@ -305,17 +309,18 @@ def generate(
     block_size: drafted block incl. the anchor (default: the drafter's); stop_token_ids: stop after emitting one.
     engine: None (default) decodes with `flashdraft.speculative.engine` (static caches, CUDA graphs) on a CUDA target it
     supports and with this module's loop otherwise; True / False force one of them. max_deferred: plain loop only.
-    refine: draft each block in several passes (`DFlashProposer`; plain loop only), for a drafter trained with
-    `recipe.reveal`.
+    refine: draft each block in several passes (`DFlashProposer`; the engine does so at temperature 0), for a
+    drafter trained with `recipe.reveal`.
     """
     block_size = int(drafter.block_size if block_size is None else block_size)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     common = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator)
-    if use_engine(target, engine, drafter if block_size > 1 else None, refine):
+    refine = validate_refine(refine, block_size) if refine else ()
+    if use_engine(target, engine, drafter if block_size > 1 else None, refine, temperature):
         drafter = drafter if block_size > 1 else None
         return engine_session.engine_decode(
-            target, input_ids, max_new_tokens, drafter=drafter, block_size=block_size, **common
+            target, input_ids, max_new_tokens, drafter=drafter, block_size=block_size, refine=refine, **common
         )
     proposer = DFlashProposer(drafter, target, block_size, temperature, top_p, top_k, generator, refine)
     return speculative_decode(

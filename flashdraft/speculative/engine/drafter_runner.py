@@ -5,6 +5,7 @@
     runner.prefill(engine.prompt_features)           # context K/V of the prompt
     runner.block_ids[0] = last token; runner.draft() # runner.logits (bs - 1, V), runner.drafts (bs - 1,)
     runner.pending.fill_(k + 1)                      # the next draft first adds features of the k + 1 verified tokens
+    runner.refine = (1, 3, 7)                        # greedy drafts in four passes (the plain loop's `refine`)
 
 Same arithmetic as `DFlashDraftModel.forward` with a cache (tests compare them): context features go through
 `fc` + `hidden_norm` once, their keys/values are cached per layer; the block `[last token, MASK...]` attends to
@@ -62,6 +63,8 @@ class DrafterRunner:
         self.block_ids = torch.full((bs,), int(drafter.mask_token_id), dtype=torch.long, device=self.device)
         self.logits = torch.zeros(bs - 1, vocab, dtype=self.dtype, device=self.device)
         self.drafts = torch.zeros(bs - 1, dtype=torch.long, device=self.device)
+        self.mask_token_id = int(drafter.mask_token_id)
+        self.refine: tuple[int, ...] = ()
         self.step = Step(self._draft, "draft")
 
     def capture(self) -> None:
@@ -84,8 +87,21 @@ class DrafterRunner:
 
     @torch.inference_mode()
     def draft(self) -> None:
-        """Add the pending features, then draft after `block_ids[0]`: `logits`, `drafts` (greedy)."""
+        """Add the pending features, then draft after `block_ids[0]`: `logits`, `drafts` (greedy).
+
+        With `refine` the drafts are greedy and made in passes: after each, the first `refine[i]` drafts go into the
+        block in place of their MASKs and the step runs again (nothing is pending then, so it redrafts the block
+        over the cached context). Only device operations: it can be enqueued before the host reads anything. Then
+        `logits` holds the last pass's, which are not the kept drafts' own."""
         self.step()
+        fixed = 0
+        for keep in self.refine:
+            self.block_ids[1 + fixed : 1 + keep].copy_(self.drafts[fixed:keep])
+            fixed = keep
+            self.step()
+        if fixed:
+            self.drafts[:fixed].copy_(self.block_ids[1 : 1 + fixed])
+            self.block_ids[1:].fill_(self.mask_token_id)
 
     def _cache_context(self, attn, context: torch.Tensor, positions: torch.Tensor, cache) -> None:
         length, dim = context.shape[0], attn.head_dim

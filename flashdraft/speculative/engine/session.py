@@ -192,11 +192,15 @@ def engine_decode(
     stop_token_ids: list[int] | None = None,
     generator: torch.Generator | None = None,
     graphs: bool | None = None,
+    refine: tuple[int, ...] = (),
 ) -> GenerationResult:
     """Decode `input_ids` (batch 1) with a DFlash `drafter`, a prompt-`lookup` proposer, the target's `mtp` head
     (`flashdraft.target.mtp.MTPHead`: `num_drafts` chained drafts per round, default 3, verified in blocks of
-    `block_size`), or none of them (one token per step). graphs: CUDA graphs (default: on a CUDA target)."""
+    `block_size`), or none of them (one token per step). graphs: CUDA graphs (default: on a CUDA target). refine:
+    the drafter drafts each block in passes (`DrafterRunner.draft`), greedily only."""
     validate_request(input_ids, max_new_tokens, temperature, top_p, top_k)
+    if refine and (drafter is None or temperature > 0):
+        raise ValueError("the engine drafts in passes (refine) only with a DFlash drafter at temperature 0")
     if sum(x is not None for x in (drafter, lookup, mtp)) > 1:
         raise ValueError("give one of a drafter, a lookup proposer and an MTP head")
     # The engine runs its own device-aware kernels; the target's own forward (which callers may run next) gets them.
@@ -220,6 +224,8 @@ def engine_decode(
     engine = sess.engine
     sampling = (temperature, top_p, top_k)
     runner = sess.runner(drafter) if drafter is not None else None
+    if runner is not None:
+        runner.refine = tuple(refine)
     if mtp is not None:
         runner = sess.mtp_runner(mtp, num_drafts, sampling, generator)
     result.backend = "engine+graphs" if sess.captured else "engine"

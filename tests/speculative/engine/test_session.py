@@ -59,6 +59,22 @@ def test_greedy_equals_target_greedy_and_the_plain_loop(setup):
                 assert result.acceptance_lengths == plain.acceptance_lengths, f"prompt {i}"
 
 
+@pytest.mark.parametrize("block_size,refine", [(4, (1, 2)), (16, (1, 3, 7))])
+def test_refined_greedy_equals_target_greedy_and_the_plain_loop(setup, block_size, refine):
+    target, drafter, cases, device, graphs = setup
+    with ready(target):
+        for i, (prompt, max_new, expected) in enumerate(cases[:6]):
+            result = generate(target, drafter, prompt, max_new, block_size=block_size, engine=True, refine=refine)
+            assert result.tokens == expected, f"prompt {i}, refine {refine}"
+            _check_stats(result, block_size)
+            if device == "cpu":
+                plain = generate(target, drafter, prompt, max_new, block_size=block_size, engine=False, refine=refine)
+                assert result.acceptance_lengths == plain.acceptance_lengths, f"prompt {i}"
+        # Greedy only: sampling in passes needs the plain loop.
+        with pytest.raises(ValueError, match="drafts in passes only greedily"):
+            generate(target, drafter, prompt, 4, 1.0, block_size=block_size, engine=True, refine=refine)
+
+
 def test_baselines_equal_target_greedy(setup):
     target, _, cases, _, _ = setup
     with ready(target):
@@ -120,7 +136,8 @@ def test_every_acceptance_length_and_stops(setup, block_size, error_rate):
     assert {0, block_size - 1} <= seen
 
 
-def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monkeypatch):
+@pytest.mark.parametrize("refine", [(), (1, 3, 7)])
+def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monkeypatch, refine):
     """The shipped trained drafter over the shipped target (float64, CPU), so that drafts are accepted — over a
     random drafter, equal acceptance proves little: (almost) nothing is accepted either way. Round by round the
     engine verifies exactly the drafts the plain loop verifies, and both emit the target's greedy output."""
@@ -158,8 +175,8 @@ def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monke
             prompt = tokenizer(json.loads(line)["prompt"], return_tensors="pt").input_ids[:, -48:]
             for name in drafts:
                 drafts[name].append([])
-            on = generate(target, drafter, prompt, 40, engine=True)
-            off = generate(target, drafter, prompt, 40, engine=False)
+            on = generate(target, drafter, prompt, 40, engine=True, refine=refine)
+            off = generate(target, drafter, prompt, 40, engine=False, refine=refine)
             assert on.backend == "engine" and off.backend == "plain"
             # Greedy: each token is the argmax after the ones before it (one forward without cache checks all).
             with torch.inference_mode():
@@ -175,11 +192,12 @@ def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monke
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [case for case, (*_, refine) in CASES.items() if not refine])
 def test_speculative_sampling_equals_target_distribution(case, config):
-    """As tests/speculative/test_sampling.py, through the engine (device-side rejection sampling, commits)."""
+    """As tests/speculative/test_sampling.py, through the engine (device-side rejection sampling, commits); the
+    engine drafts in passes only greedily."""
     device, dtype, graphs = config
-    family, max_new, temperature, top_p, top_k = CASES[case]
+    family, max_new, temperature, top_p, top_k, _ = CASES[case]
     target = tiny_target(family, num_layers=4, vocab_size=VOCAB8, seed=3, dtype=torch.float32).to(device)
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(30)
