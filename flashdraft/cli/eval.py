@@ -67,7 +67,8 @@ def add_parser(subparsers) -> None:
         "--refine",
         default=None,
         help="comma-separated, e.g. 1,3,7: draft each block in passes, fixing that many drafts after each pass and "
-        "drafting the rest again conditioned on them (a drafter trained with recipe.reveal > 0; the plain loop)",
+        "drafting the rest again conditioned on them (a drafter trained with recipe.reveal > 0; when sampling, every "
+        "method decodes in the plain loop)",
     )
     p.add_argument(
         "--context-lengths",
