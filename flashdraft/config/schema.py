@@ -143,7 +143,7 @@ class RecipeConfig:
     """Fraction of blocks (in [0, 1)) that show the drafter a prefix of their true tokens: after the anchor, r of
     the bs − 1 drafted positions hold their labels instead of MASK (r uniform in 1 … bs − 2) and only the positions
     after them are learned, weighted as if the block started there. A drafter trained so can draft a block in
-    several passes, each re-drafting the positions after the drafts it keeps (`flashdraft eval --draft-passes`);
+    several passes, each re-drafting the positions after the drafts it keeps (`flashdraft eval --refine`);
     0 (the paper's) trains single-pass drafting only."""
 
 

@@ -187,9 +187,8 @@ def evaluate(
     block_size = int(drafter.block_size if block_size is None else block_size)
     refine = validate_refine(refine, block_size)  # before the first decode
     device = next(target.parameters()).device
-    engine = use_engine(
-        target, engine, drafter, refine, temperature
-    )  # decided once: every method decodes on the same path
+    # Decided once: every method decodes on the same path.
+    engine = use_engine(target, engine, drafter, refine, temperature)
 
     def decode(method: str, input_ids: torch.Tensor, max_new: int, seed: int) -> GenerationResult:
         gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
