@@ -262,9 +262,9 @@ def regenerate(
                     else {"prompt": job.prompt, "response": reply}
                 )
                 fh.write(json.dumps({**row, "source": job.where, "_index": job.index}) + "\n")
+                counts["written"] += 1
             fh.flush()
             os.fsync(fh.fileno())
-            counts["written"] += len(chunk) - sum(not reply for reply in replies)
             bar.advance(task, len(chunk))
     counts["seconds"] = round(time.perf_counter() - started, 1)
     return counts

@@ -216,8 +216,7 @@ def build_blocks(
     if reveals is not None:
         if len(reveals) != batch or any(r.numel() != a for r, a in zip(reveals, valid.sum(1).tolist(), strict=True)):
             raise ValueError("reveals must give one count per anchor of each sequence")
-        for row, r in enumerate(reveals):
-            revealed[row, : r.numel()] = r.to(device)
+        revealed = pad_anchors(reveals, device, num_blocks).clamp(min=0)  # as wide as the anchors, padded with 0
     shown = labelled & (k <= revealed[..., None])  # k >= 1 by `labelled`
 
     block_ids = torch.where(shown, tokens, mask_token_id)

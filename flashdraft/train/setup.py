@@ -297,13 +297,4 @@ def step_blocks(
     num_blocks = None
     if width is not None:
         ids, mask, num_blocks = pad_positions(ids, width), pad_positions(mask, width), cfg.recipe.num_anchors
-    return build_blocks(
-        ids,
-        mask,
-        anchors,
-        bs,
-        s.drafter.mask_token_id,
-        cfg.recipe.gamma,
-        num_blocks,
-        reveals if cfg.recipe.reveal else None,
-    )
+    return build_blocks(ids, mask, anchors, bs, s.drafter.mask_token_id, cfg.recipe.gamma, num_blocks, reveals)
