@@ -71,6 +71,14 @@ def add_parser(subparsers) -> None:
         "method decodes in the plain loop)",
     )
     p.add_argument(
+        "--verify",
+        choices=("block", "token"),
+        default="block",
+        help="when sampling (--temperature > 0), how each method verifies a block of drafts: block (default: block "
+        "verification, which judges the drafts together and accepts more per round) or token (token by token, as "
+        "most servers do); both keep the target's distribution exactly",
+    )
+    p.add_argument(
         "--context-lengths",
         default=None,
         help="comma-separated token counts, e.g. 1024,8192,32768: also decode every prompt left-padded to each "
@@ -271,6 +279,7 @@ def run(args) -> int:
         context_lengths=context_lengths,
         context_filler=filler,
         refine=refine,
+        verify=args.verify,
     )
     report.update(
         target=str(args.target),

@@ -127,7 +127,7 @@ def _decode(
 ) -> GenerationResult:
     """One decode on the engine (with `engine_kwargs`) or the plain loop (with `plain_proposer()`, built only there).
 
-    sampling: temperature, top_p, top_k, stop_token_ids and generator, which both take alike."""
+    sampling: temperature, top_p, top_k, stop_token_ids, generator (and verify), which both take alike."""
     if on_engine:
         return engine_decode(target, input_ids, max_new_tokens, **engine_kwargs, **sampling)
     return speculative_decode(
@@ -176,16 +176,22 @@ def prompt_lookup_generate(
     generator: torch.Generator | None = None,
     max_deferred: int | None = None,
     engine: bool | None = None,
+    verify: str = "block",
 ) -> GenerationResult:
     """Prompt-lookup speculative decoding; `num_draft` drafts per round (default `block_size - 1`).
 
-    engine: as in `generate`; the engine verifies blocks of `num_draft + 1` tokens.
+    engine, verify: as in `generate`; the engine verifies blocks of `num_draft + 1` tokens.
     """
     num_draft = block_size - 1 if num_draft is None else num_draft
     if num_draft < 0:
         raise ValueError(f"num_draft must be >= 0, got {num_draft}")
     sampling = dict(
-        temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop_token_ids=stop_token_ids,
+        generator=generator,
+        verify=verify,
     )
     on_engine = dict(lookup=PromptLookupProposer(ngram_max), block_size=num_draft + 1)
     return _decode(
@@ -215,17 +221,23 @@ def mtp_generate(
     max_deferred: int | None = None,
     engine: bool | None = None,
     block_size: int = 16,
+    verify: str = "block",
 ) -> GenerationResult:
     """Speculative decoding with the target's own MTP layer (`flashdraft.target.mtp.load_mtp`): `num_drafts`
     chained drafts per round (3: SGLang's documented `--speculative-num-steps` for Qwen3.5 and Qwen3-Next).
 
-    engine: as in `generate`. On the engine every verification is `block_size` tokens wide (static shapes; only the
+    engine, verify: as in `generate`. On the engine every verification is `block_size` tokens wide (static shapes; only the
     first num_drafts + 1 count), so that MTP shares DFlash's engine and graphs at the default of 16.
     """
     if num_drafts < 1:
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
     sampling = dict(
-        temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop_token_ids=stop_token_ids,
+        generator=generator,
+        verify=verify,
     )
     on_engine = dict(mtp=head, num_drafts=num_drafts, block_size=max(block_size, num_drafts + 1))
     return _decode(

@@ -37,6 +37,7 @@ from flashdraft.speculative.engine.session import prepare
 from flashdraft.speculative.generate import generate, use_engine, validate_refine
 from flashdraft.speculative.prompts import Prompt
 from flashdraft.speculative.result import GenerationResult
+from flashdraft.speculative.sampling import validate_verify
 from flashdraft.target.mtp import MTPHead
 
 # Every method, in the order of the report's rows; the first is the drafter under evaluation, the rest baselines.
@@ -165,6 +166,7 @@ def evaluate(
     context_lengths: list[int] | None = None,
     context_filler: ContextFiller | None = None,
     refine: tuple[int, ...] = (),
+    verify: str = "block",
 ) -> dict:
     """Decode every prompt with DFlash and each of `baselines` (some of `BASELINES`); return the report dict.
 
@@ -172,7 +174,8 @@ def evaluate(
     mtp_head: the target's MTP layer (`flashdraft.target.mtp.load_mtp`), for the "mtp" baseline, with `mtp_drafts`
     chained drafts per round. context_lengths: also decode every prompt left-padded to each of these lengths by
     `context_filler`. refine: the drafter drafts each block in passes (`flashdraft.speculative.generate`); when
-    sampling, every method then decodes in the plain loop.
+    sampling, every method then decodes in the plain loop. verify: how every speculative method verifies sampled
+    drafts (block or token, `flashdraft.speculative.sampling`).
     """
     if not prompts:
         raise ValueError("evaluate needs at least one prompt")
@@ -186,6 +189,7 @@ def evaluate(
     methods = tuple(m for m in METHODS if m == "dflash" or m in baselines)
     block_size = int(drafter.block_size if block_size is None else block_size)
     refine = validate_refine(refine, block_size)  # before the first decode
+    validate_verify(verify)
     device = next(target.parameters()).device
     # Decided once: every method decodes on the same path.
     engine = use_engine(target, engine, drafter, refine, temperature)
@@ -193,10 +197,11 @@ def evaluate(
     def decode(method: str, input_ids: torch.Tensor, max_new: int, seed: int) -> GenerationResult:
         gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
         common = dict(temperature=temperature, stop_token_ids=stop_token_ids, generator=gen, engine=engine)
-        if method == "dflash":
-            return generate(target, drafter, input_ids, max_new, block_size=block_size, refine=refine, **common)
         if method == "autoregressive":
             return autoregressive_generate(target, input_ids, max_new, **common)
+        common["verify"] = verify
+        if method == "dflash":
+            return generate(target, drafter, input_ids, max_new, block_size=block_size, refine=refine, **common)
         if method == "mtp":
             return mtp_generate(
                 target, mtp_head, input_ids, max_new, num_drafts=mtp_drafts, block_size=block_size, **common
@@ -234,6 +239,8 @@ def evaluate(
         "backend": "/".join(sorted(set().union(*(run.backends for run in runs)))),
         "block_size": block_size,
         "refine": list(refine),
+        # Greedy rounds keep the drafts equal to the target's argmax: no verification rule applies.
+        "verify": verify if temperature > 0 else None,
         "temperature": temperature,
         "max_new_tokens": max_new_tokens,
         "methods_run": list(methods),

@@ -40,7 +40,14 @@ from flashdraft.drafter import select_context_features
 from flashdraft.speculative import rollback
 from flashdraft.speculative.engine import session as engine_session
 from flashdraft.speculative.result import GenerationResult
-from flashdraft.speculative.sampling import next_token, rejection_sample, sample, sampling_probs, validate_request
+from flashdraft.speculative.sampling import (
+    next_token,
+    rejection_sample,
+    sample,
+    sampling_probs,
+    validate_request,
+    validate_verify,
+)
 from flashdraft.versions import cache_kwargs
 
 
@@ -163,14 +170,17 @@ def speculative_decode(
     stop_token_ids: list[int] | None = None,
     generator: torch.Generator | None = None,
     max_deferred: int | None = None,
+    verify: str = "block",
 ) -> GenerationResult:
     """The verification loop shared by DFlash, prompt lookup (`proposer`) and autoregressive decoding (None).
 
-    num_drafts: most drafts per round (bs - 1). max_deferred: most accepted tokens a hybrid cache may leave to
+    num_drafts: most drafts per round (bs - 1). verify: how sampled drafts are verified, block or token
+    (`flashdraft.speculative.sampling`). max_deferred: most accepted tokens a hybrid cache may leave to
     the next verification (default 4 x (num_drafts + 1)); beyond it they are committed by a forward of their
     own, so a long run of partial acceptances cannot make verifications ever wider.
     """
     validate_request(input_ids, max_new_tokens, temperature, top_p, top_k)
+    validate_verify(verify)
     fastpath.ensure(target)  # a user's hybrid target runs its linear-attention layers with device-aware kernels
     device = next(target.parameters()).device
     prompt = input_ids.reshape(-1).to(device)
@@ -227,7 +237,7 @@ def speculative_decode(
             bonus = choice[accepted]
         else:
             target_probs = sampling_probs(logits, temperature, top_p, top_k)
-            accepted, bonus = rejection_sample(drafts if k else seq[:0], draft_probs, target_probs, generator)
+            accepted, bonus = rejection_sample(drafts if k else seq[:0], draft_probs, target_probs, generator, verify)
         for i in range(k):
             result.position_offered[i] += 1
             result.position_accepted[i] += i < accepted
@@ -301,6 +311,7 @@ def generate(
     max_deferred: int | None = None,
     engine: bool | None = None,
     refine: tuple[int, ...] = (),
+    verify: str = "block",
 ) -> GenerationResult:
     """Decode up to `max_new_tokens` after `input_ids` (batch 1) with DFlash speculative decoding.
 
@@ -310,12 +321,21 @@ def generate(
     engine: None (default) decodes with `flashdraft.speculative.engine` (static caches, CUDA graphs) on a CUDA target it
     supports and with this module's loop otherwise; True / False force one of them. max_deferred: plain loop only.
     refine: draft each block in several passes (`DFlashProposer`; the engine does so at temperature 0), for a
-    drafter trained with `recipe.reveal`.
+    drafter trained with `recipe.reveal`. verify: when sampling, how a block of drafts is verified: block (default;
+    block verification, more tokens per round) or token (token by token, as most servers do); both are lossless
+    (`flashdraft.speculative.sampling`).
     """
     block_size = int(drafter.block_size if block_size is None else block_size)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    common = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator)
+    common = dict(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop_token_ids=stop_token_ids,
+        generator=generator,
+        verify=verify,
+    )
     refine = validate_refine(refine, block_size) if refine else ()
     if use_engine(target, engine, drafter if block_size > 1 else None, refine, temperature):
         drafter = drafter if block_size > 1 else None

@@ -1,10 +1,20 @@
-"""Sampling distributions and the speculative rejection step.
+"""Sampling distributions and the speculative verification step.
 
 `sampling_probs` turns logits into the distribution a sampler draws from (temperature, then top-k, then
-top-p). Speculative sampling is lossless with respect to exactly that distribution: `rejection_sample` accepts
-a drafted token x with probability min(1, p(x)/q(x)), on the first rejection draws from normalize(max(0, p−q)),
-and after a fully accepted block draws the bonus token from p. Every emitted token is then distributed as p
-(Leviathan et al. 2023, Chen et al. 2023), whatever the draft distribution q.
+top-p). Speculative sampling is lossless with respect to exactly that distribution, whatever the draft
+distribution q. `rejection_sample` verifies a block of drafts in one of two ways:
+
+- token: each draft x is accepted with probability min(1, p(x)/q(x)) until the first rejection, which draws from
+  normalize(max(0, p - q)); after a fully accepted block the bonus token comes from p (Leviathan et al. 2023,
+  Chen et al. 2023).
+- block: the block's drafts are judged together (block verification, Sun et al. 2024). A running weight
+  w_i = min(1, w_{i-1} p(x_i)/q(x_i)) lets a later draft make up for an earlier unlikely one; the number of
+  accepted drafts is the last i whose uniform falls below h_i (h_n = w_n; before it, h_i = r_i / (r_i + 1 - w_i)
+  with r_i = sum over x of max(0, w_i p_{i+1}(x) - q_{i+1}(x))), and the next token is drawn from
+  normalize(max(0, w_i p - q)) at that position. It emits the target's distribution too, and never fewer
+  tokens per round on average than token-by-token verification of the same drafts.
+
+At temperature 0 neither runs: a greedy round keeps the drafts that equal the target's argmax.
 """
 
 from __future__ import annotations
@@ -78,20 +88,31 @@ def next_token(
     return sample(sampling_probs(logits, temperature, top_p, top_k), generator)
 
 
+VERIFY_METHODS = ("block", "token")
+
+
+def validate_verify(verify: str) -> str:
+    if verify not in VERIFY_METHODS:
+        raise ValueError(f"verify must be one of {list(VERIFY_METHODS)}, got {verify!r}")
+    return verify
+
+
 def rejection_sample(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
+    verify: str = "block",
 ) -> tuple[int, int]:
     """Verify drafted tokens against the target's distributions; return (accepted drafts, next token).
 
-    draft_tokens: `[n]` drafted tokens. draft_probs: `[n, V]` the distributions they were drawn from, or None
-    for a deterministic proposer (prompt lookup: q is one-hot on the drafted token). target_probs: `[n + 1, V]`,
-    row i is the target's distribution for the position of draft i (row n: after the last draft).
-    The returned token is the correction at the first rejected position, or the bonus token after n accepts.
+    draft_tokens: `[n]` drafted tokens. draft_probs: `[n, V]`, row i the distribution draft i was drawn from
+    (given the drafts before it), or None for a deterministic proposer (prompt lookup: q is one-hot on the drafted
+    token). target_probs: `[n + 1, V]`, row i is the target's distribution for the position of draft i (row n:
+    after the last draft). verify: block or token (the module's docstring). The returned token is the correction
+    after the accepted drafts, or the bonus token after n accepts.
     """
-    accepted, token = rejection_sample_tensors(draft_tokens, draft_probs, target_probs, generator)
+    accepted, token = rejection_sample_tensors(draft_tokens, draft_probs, target_probs, generator, verify)
     accepted, token = torch.stack([accepted, token]).tolist()
     return accepted, token
 
@@ -101,33 +122,73 @@ def rejection_sample_tensors(
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
+    verify: str = "block",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rejection_sample` without leaving the device: (accepted drafts, next token) as 0-d long tensors.
 
     Draws the same random numbers in the same order (n uniforms, then one token), so both give the same result
     with the same generator state.
     """
+    validate_verify(verify)
     n = draft_tokens.shape[0]
     if target_probs.shape[0] != n + 1:
         raise ValueError(f"target_probs needs n + 1 = {n + 1} rows for {n} drafts, got {target_probs.shape[0]}")
-    rows = torch.arange(n, device=draft_tokens.device)
-    p = target_probs[rows, draft_tokens]
-    q = torch.ones_like(p) if draft_probs is None else draft_probs[rows, draft_tokens].to(p.dtype)
-    u = torch.rand(n, generator=generator, device=p.device, dtype=p.dtype)
-    # u < p/q, written without the division (q > 0 for every drawn token).
-    accepted = (u * q < p).to(torch.int64).cumprod(0).sum()
-    row = target_probs.index_select(0, accepted.view(1))[0]
+    u = torch.rand(n, generator=generator, device=target_probs.device, dtype=target_probs.dtype)
     if n == 0:
-        return accepted, sample(row, generator)
-    # The residual normalize(max(0, p - q)) at the first rejection (its row is unused after n accepts).
-    at = accepted.clamp(max=n - 1).view(1)
-    if draft_probs is None:
-        q_row = torch.zeros_like(row).scatter_(0, draft_tokens.index_select(0, at), 1.0)
+        return torch.zeros((), dtype=torch.int64, device=u.device), sample(target_probs[0], generator)
+    draft_rows = _draft_rows(draft_tokens, draft_probs, target_probs)
+    if verify == "token":
+        rows = torch.arange(n, device=draft_tokens.device)
+        p, q = target_probs[rows, draft_tokens], draft_rows[rows, draft_tokens]
+        # u < p/q, written without the division (q > 0 for every drawn token).
+        accepted = (u * q < p).to(torch.int64).cumprod(0).sum()
+        weights = torch.ones(n + 1, dtype=target_probs.dtype, device=u.device)
     else:
-        q_row = draft_probs.index_select(0, at)[0].to(row.dtype)
-    residual = (row - q_row).clamp_min_(0)
+        stop, weights = block_acceptance(draft_tokens, draft_rows, target_probs)
+        counts = torch.arange(1, n + 1, device=u.device)
+        accepted = torch.where(u < stop, counts, torch.zeros_like(counts)).max()
+    return accepted, sample(correction_distribution(accepted, weights, draft_rows, target_probs), generator)
+
+
+def _draft_rows(draft_tokens, draft_probs, target_probs) -> torch.Tensor:
+    """`[n, V]` draft distributions in the target's dtype; one-hot rows for a deterministic proposer."""
+    if draft_probs is None:
+        rows = torch.zeros(
+            draft_tokens.shape[0], target_probs.shape[-1], dtype=target_probs.dtype, device=target_probs.device
+        )
+        return rows.scatter_(1, draft_tokens.view(-1, 1), 1.0)
+    return draft_probs.to(target_probs.dtype)
+
+
+def block_acceptance(
+    draft_tokens: torch.Tensor, draft_rows: torch.Tensor, target_probs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block verification's stopping probabilities h `[n]` (h_i: accept exactly the first i drafts, given that no
+    later draft stops) and running weights w `[n + 1]` (w_0 = 1), as in the module's docstring."""
+    n = draft_tokens.shape[0]
+    rows = torch.arange(n, device=draft_tokens.device)
+    ratio = torch.log(target_probs[rows, draft_tokens]) - torch.log(draft_rows[rows, draft_tokens])
+    # w_i = min(1, w_{i-1} p_i / q_i) in logs is a running sum clamped at 0: log w_i = S_i - max_{j <= i} S_j.
+    running = torch.cat([ratio.new_zeros(1), ratio.cumsum(0)])
+    weights = torch.exp(running - running.cummax(0).values)
+    inner = weights[1:n]
+    r = (inner[:, None] * target_probs[1:n] - draft_rows[1:n]).clamp_min(0).sum(-1)
+    denominator = r + 1 - inner
+    # denominator == 0 only when w_i = 1 and the next rows are equal: nothing is lost by stopping there.
+    stop = torch.where(denominator > 0, r / denominator.clamp_min(torch.finfo(r.dtype).tiny), torch.ones_like(r))
+    return torch.cat([stop, weights[n:]]), weights
+
+
+def correction_distribution(
+    accepted: torch.Tensor, weights: torch.Tensor, draft_rows: torch.Tensor, target_probs: torch.Tensor
+) -> torch.Tensor:
+    """The distribution of the token after `accepted` drafts: normalize(max(0, w p - q)) at that position, or the
+    target's row after a full block. Token-by-token verification is the case w = 1."""
+    n = draft_rows.shape[0]
+    row = target_probs.index_select(0, accepted.view(1))[0]
+    at = accepted.clamp(max=n - 1).view(1)
+    residual = (weights.index_select(0, accepted.view(1)) * row - draft_rows.index_select(0, at)[0]).clamp_min_(0)
     total = residual.sum()
-    # total == 0 means p == q at this position, where rejection has probability 0; only rounding gets here.
+    # total == 0 means nothing is left to correct at this position (p == q with w = 1): only rounding gets here.
     use_target = (accepted == n) | (total <= 0)
-    dist = torch.where(use_target, row, residual / torch.where(total > 0, total, torch.ones_like(total)))
-    return accepted, sample(dist, generator)
+    return torch.where(use_target, row, residual / torch.where(total > 0, total, torch.ones_like(total)))

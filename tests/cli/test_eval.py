@@ -341,3 +341,33 @@ def test_eval_refine_drafts_in_passes(models, tmp_path, capsys):
         assert main([*common, "--refine", bad]) == 2, bad
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (bad, err)
+
+
+def test_eval_verify_chooses_how_sampled_drafts_are_verified(models, tmp_path, capsys, monkeypatch):
+    """--verify reaches the verification of every speculative method (block by default) and the report."""
+    import importlib
+
+    from flashdraft.cli import main
+
+    plain_loop = importlib.import_module("flashdraft.speculative.generate")
+    seen = []
+    verify_drafts = plain_loop.rejection_sample
+
+    def spy(*args):
+        if args[0].numel():  # a round with drafts (autoregressive decoding samples through it with none)
+            seen.append(args[-1])
+        return verify_drafts(*args)
+
+    monkeypatch.setattr(plain_loop, "rejection_sample", spy)
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": f"the {w} sat on the mat"}) for w in WORDS[:2]])
+    common = ["eval", "--target", str(models / "target"), "--drafter", str(models / "drafter"), "--prompts"]
+    common += [str(prompts), "--max-new-tokens", "8", "--no-progress", "--device", "cpu", "--temperature", "1"]
+    for flag, expected in (([], "block"), (["--verify", "token"], "token")):
+        seen.clear()
+        assert main([*common, *flag, "--json", str(tmp_path / "r.json")]) == 0
+        assert json.loads((tmp_path / "r.json").read_text())["verify"] == expected
+        assert seen and set(seen) == {expected}, (flag, set(seen))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main([*common, "--verify", "tree"])
+    assert exit_info.value.code == 2 and "invalid choice: 'tree'" in capsys.readouterr().err

@@ -1,13 +1,23 @@
-"""Sampling is lossless: rejection sampling against analytic probabilities, and speculative decoding end to end
-against the target's exact joint distribution of two generated tokens (chi-square, fixed seeds)."""
+"""Sampling is lossless: both verification rules (token by token and block verification) against analytic
+probabilities and, for block verification, an exact enumeration of whole generations; speculative decoding end to
+end against the target's exact joint distribution of two generated tokens (chi-square, fixed seeds)."""
 
 import bisect
+import itertools
+import math
 
 import pytest
 import torch
 
 from flashdraft.speculative import generate
-from flashdraft.speculative.sampling import next_token, rejection_sample, sampling_probs
+from flashdraft.speculative.sampling import (
+    block_acceptance,
+    correction_distribution,
+    next_token,
+    rejection_sample,
+    sample,
+    sampling_probs,
+)
 
 from . import one_thread, random_drafter, ready, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 
@@ -86,27 +96,41 @@ def test_sampling_probs_filters():
         next_token(logits, 1.0, top_p=0.0)
 
 
-def _run_rejections(draft_probs, target_probs, trials, one_hot_drafts=None, seed=0):
-    """Emitted sequences (accepted drafts + next token) of `trials` rejection steps."""
+def _run_rejections(draft_probs, target_probs, trials, verify, one_hot_drafts=None, seed=0):
+    """Emitted sequences (accepted drafts + next token) of `trials` verification steps."""
     g = torch.Generator().manual_seed(seed)
     outcomes = []
     for _ in range(trials):
         if one_hot_drafts is None:
             drafts = torch.multinomial(draft_probs, 1, generator=g)[:, 0]
-            accepted, token = rejection_sample(drafts, draft_probs, target_probs, g)
+            accepted, token = rejection_sample(drafts, draft_probs, target_probs, g, verify)
         else:
             drafts = one_hot_drafts
-            accepted, token = rejection_sample(drafts, None, target_probs, g)
+            accepted, token = rejection_sample(drafts, None, target_probs, g, verify)
         outcomes.append(drafts[:accepted].tolist() + [token])
     return outcomes
 
 
-def test_rejection_sampling_matches_analytic_probabilities():
+def _block_lengths(q, p) -> torch.Tensor:
+    """P(exactly j of the drafts accepted) under block verification, summed over every draft block drawn from the
+    independent rows of q: accepting j means the j-th stop fires and no later one does."""
+    n, vocab = q.shape
+    out = torch.zeros(n + 1, dtype=torch.float64)
+    for block in itertools.product(range(vocab), repeat=n):
+        drafts = torch.tensor(block)
+        stop, _ = block_acceptance(drafts, q, p)
+        for j in range(n + 1):
+            out[j] += q[torch.arange(n), drafts].prod() * (stop[j - 1] if j else 1) * (1 - stop[j:]).prod()
+    return out
+
+
+@pytest.mark.parametrize("verify", ["token", "block"])
+def test_rejection_sampling_matches_analytic_probabilities(verify):
     # Two drafts from q, verified against p (rows: position 1, position 2, bonus).
     q = torch.stack([_dist(1, 1, 6, 2, 0.5), _dist(3, 1, 1, 1, 4)])
     p = torch.stack([_dist(4, 2, 1, 2, 1), _dist(1, 5, 1, 2, 1), _dist(2, 2, 1, 1, 4)])
     trials = 12000
-    outcomes = _run_rejections(q, p, trials)
+    outcomes = _run_rejections(q, p, trials, verify)
     first = torch.bincount(torch.tensor([o[0] for o in outcomes]), minlength=5)
     assert chi_square_pvalue(first, p[0]) > P_MIN
     # Given draft 1 accepted, the second emitted token (draft 2 or its correction) is distributed as p[1] ...
@@ -115,16 +139,20 @@ def test_rejection_sampling_matches_analytic_probabilities():
     # ... and after both, the bonus as p[2].
     bonus = [o[2] for o in outcomes if len(o) == 3]
     assert chi_square_pvalue(torch.bincount(torch.tensor(bonus), minlength=5), p[2]) > P_MIN
-    # Acceptance counts: P(accept one draft) = sum(min(p, q)).
-    a1, a2 = torch.minimum(p[0], q[0]).sum().item(), torch.minimum(p[1], q[1]).sum().item()
     lengths = torch.bincount(torch.tensor([len(o) - 1 for o in outcomes]), minlength=3)
-    assert chi_square_pvalue(lengths, torch.tensor([1 - a1, a1 * (1 - a2), a1 * a2])) > P_MIN
+    if verify == "token":  # P(accept one draft) = sum(min(p, q))
+        a1, a2 = torch.minimum(p[0], q[0]).sum().item(), torch.minimum(p[1], q[1]).sum().item()
+        expected = torch.tensor([1 - a1, a1 * (1 - a2), a1 * a2])
+    else:
+        expected = _block_lengths(q, p)
+    assert chi_square_pvalue(lengths, expected) > P_MIN
 
 
-def test_rejection_sampling_of_deterministic_drafts():
+@pytest.mark.parametrize("verify", ["token", "block"])
+def test_rejection_sampling_of_deterministic_drafts(verify):
     # Prompt lookup: q is one-hot on the draft; accept with p(x), otherwise draw from p without x.
     p = torch.stack([_dist(4, 2, 1, 2, 1), _dist(1, 5, 1, 2, 1)])
-    outcomes = _run_rejections(None, p, 8000, one_hot_drafts=torch.tensor([1]))
+    outcomes = _run_rejections(None, p, 8000, verify, one_hot_drafts=torch.tensor([1]))
     first = torch.bincount(torch.tensor([o[0] for o in outcomes]), minlength=5)
     assert chi_square_pvalue(first, p[0]) > P_MIN
     bonus = [o[1] for o in outcomes if len(o) == 2]
@@ -134,6 +162,86 @@ def test_rejection_sampling_of_deterministic_drafts():
 def test_rejection_sampling_rejects_bad_shapes():
     with pytest.raises(ValueError, match="n \\+ 1"):
         rejection_sample(torch.tensor([1, 2]), None, torch.ones(2, 4) / 4)
+    with pytest.raises(ValueError, match="verify must be one of"):
+        rejection_sample(torch.tensor([1]), None, torch.ones(2, 4) / 4, verify="tree")
+
+
+# ---- block verification, exactly ------------------------------------------------------------------------------
+
+
+class _RandomModels:
+    """A target and a drafter over a 3-token vocabulary with a random next-token distribution for every prefix
+    (float64). parallel: each draft's distribution depends only on its position in the block, as a block-parallel
+    drafter's does; otherwise on the whole prefix, as a chained drafter's (or a later pass's) does."""
+
+    def __init__(self, seed: int, parallel: bool):
+        self.generator, self.parallel, self.tables = torch.Generator().manual_seed(seed), parallel, {}
+
+    def _row(self, key) -> torch.Tensor:
+        if key not in self.tables:  # peaked rows: drafts are often rejected and corrections matter
+            self.tables[key] = torch.softmax(3 * torch.randn(3, generator=self.generator, dtype=torch.float64), 0)
+        return self.tables[key]
+
+    def p(self, prefix: tuple) -> torch.Tensor:
+        return self._row(("p", prefix))
+
+    def q(self, state: tuple, drafted: tuple) -> torch.Tensor:
+        return self._row(("q", state, len(drafted)) if self.parallel else ("q", state + drafted))
+
+
+def _round_outcomes(models, state: tuple, drafts: tuple):
+    """[(probability, emitted tokens)] of one block-verified round, from the package's stop probabilities and
+    correction distributions; a round accepts j drafts when stop j fires and no later one does."""
+    n = len(drafts)
+    q = torch.stack([models.q(state, drafts[:i]) for i in range(n)])
+    p = torch.stack([models.p(state + drafts[:i]) for i in range(n + 1)])
+    stop, weights = block_acceptance(torch.tensor(drafts), q, p)
+    outcomes = []
+    for j in range(n + 1):
+        chance = (stop[j - 1] if j else 1.0) * (1 - stop[j:]).prod()
+        correction = correction_distribution(torch.tensor(j), weights, q, p)
+        outcomes += [(chance * correction[t], drafts[:j] + (t,)) for t in range(3)]
+    return outcomes
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel-drafts", "chained-drafts"])
+def test_block_verification_generates_the_target_distribution_exactly(parallel):
+    """Every sequence of 4 tokens that rounds of 3 block-verified drafts can produce, with its exact probability,
+    equals the target's own probability of it (to rounding). In expectation a round also emits more tokens than
+    token-by-token verification of the same drafts, computed independently: sum over k of
+    E[prod_{i <= k} min(1, p_i / q_i)]."""
+    models, drafts_per_round, length = _RandomModels(seed=7, parallel=parallel), 3, 4
+    memo = {}
+
+    def generated(state: tuple) -> dict:  # distribution of the first `length` tokens generated after `state`
+        if len(state) >= length:
+            return {state[:length]: 1.0}
+        if state not in memo:
+            out = {}
+            for drafts in itertools.product(range(3), repeat=drafts_per_round):
+                drawn = math.prod(float(models.q(state, drafts[:i])[drafts[i]]) for i in range(drafts_per_round))
+                for chance, emitted in _round_outcomes(models, state, drafts):
+                    for sequence, rest in generated(state + emitted).items():
+                        out[sequence] = out.get(sequence, 0.0) + drawn * float(chance) * rest
+            memo[state] = out
+        return memo[state]
+
+    result = generated(())
+    for sequence in itertools.product(range(3), repeat=length):
+        exact = math.prod(float(models.p(sequence[:i])[sequence[i]]) for i in range(length))
+        assert abs(result.get(sequence, 0.0) - exact) < 1e-12, sequence
+
+    block = token = 0.0
+    for drafts in itertools.product(range(3), repeat=drafts_per_round):
+        drawn = math.prod(float(models.q((), drafts[:i])[drafts[i]]) for i in range(drafts_per_round))
+        block += drawn * sum(float(c) * len(e) for c, e in _round_outcomes(models, (), drafts))
+        alive = 1.0
+        for i in range(drafts_per_round):
+            alive *= min(1.0, float(models.p(drafts[:i])[drafts[i]] / models.q((), drafts[:i])[drafts[i]]))
+            token += drawn * alive
+    token += 1  # the correction or bonus token
+    print(f"\ntokens per round: block {block:.4f}, token by token {token:.4f}")
+    assert block > token + 1e-3
 
 
 # ---- block 16, many rounds -------------------------------------------------------------------------------------
@@ -198,16 +306,31 @@ def _exact_acceptance_lengths(p, q) -> torch.Tensor:
     return out
 
 
-def test_rejection_sampling_at_block_16_over_many_rounds():
+def _token_by_token(drafts, draft_probs, target_probs, g):
+    return rejection_sample(drafts, draft_probs, target_probs, g, verify="token")
+
+
+def _block_verification(drafts, draft_probs, target_probs, g):
+    return rejection_sample(drafts, draft_probs, target_probs, g, verify="block")
+
+
+@pytest.mark.parametrize("sampler", [_token_by_token, _block_verification], ids=["token", "block"])
+def test_rejection_sampling_at_block_16_over_many_rounds(sampler):
     """4000 rounds of 15 drafts: each emitted token, at every block position and after every previous token, is
-    distributed as the target's row (one chi-square over all 16 x 6 rows), and the number of accepted drafts per
-    round as computed exactly from min(p, q). Each check has a false-alarm rate of α = 1e-3."""
+    distributed as the target's row (one chi-square over all 16 x 6 rows); token by token, the number of accepted
+    drafts per round is also as computed exactly from min(p, q). Each check has a false-alarm rate of α = 1e-3."""
     p, q = _markov_target_and_drafter()
-    emitted, lengths = _speculate(p, q, rejection_sample)
+    emitted, lengths = _speculate(p, q, sampler)
     p_emitted = conditional_chi_square_pvalue(emitted, p.expand(BLOCK16, -1, -1))
     p_lengths = conditional_chi_square_pvalue(lengths, _exact_acceptance_lengths(p, q))
-    print(f"\nblock 16: {int(emitted.sum())} tokens; p-values: emitted {p_emitted:.3g}, acceptance {p_lengths:.3g}")
-    assert p_emitted > ALPHA and p_lengths > ALPHA
+    tokens = int(emitted.sum())
+    print(f"\nblock 16: {tokens} tokens; p-values: emitted {p_emitted:.3g}, token-by-token acceptance {p_lengths:.3g}")
+    assert p_emitted > ALPHA
+    if sampler is _token_by_token:
+        assert p_lengths > ALPHA
+    else:  # block verification accepts at least as much as token by token, here clearly more
+        token_tokens = int(_speculate(p, q, _token_by_token)[0].sum())
+        assert p_lengths < ALPHA and tokens > 1.02 * token_tokens, (tokens, token_tokens)
     # Every acceptance length occurred (0 .. 15 drafts), so corrections and the bonus token were all exercised.
     assert (lengths.sum(0) > 0).all() and emitted[BLOCK16 - 1].sum() > 100
 
@@ -225,13 +348,28 @@ def _bonus_from_the_previous_row(drafts, draft_probs, target_probs, g):
 
 def _draft_probs_dropped(drafts, draft_probs, target_probs, g):
     """Treats sampled drafts as deterministic: still lossless, but accepts less often than min(1, p/q)."""
-    return rejection_sample(drafts, None, target_probs, g)
+    return rejection_sample(drafts, None, target_probs, g, verify="token")
+
+
+def _block_stops_at_the_first_miss(drafts, draft_probs, target_probs, g):
+    """Block verification read as token by token: the drafts accepted up to the first stop that does not fire,
+    instead of up to the last one that does."""
+    n = drafts.shape[0]
+    u = torch.rand(n, generator=g, dtype=target_probs.dtype)
+    stop, weights = block_acceptance(drafts, draft_probs, target_probs)
+    accepted = (u < stop).to(torch.int64).cumprod(0).sum()
+    return int(accepted), int(sample(correction_distribution(accepted, weights, draft_probs, target_probs), g))
 
 
 @pytest.mark.parametrize(
     "sampler, check",
-    [(_tempered_draft_probs, "emitted"), (_bonus_from_the_previous_row, "emitted"), (_draft_probs_dropped, "lengths")],
-    ids=["tempered-q", "bonus-row", "q-dropped"],
+    [
+        (_tempered_draft_probs, "emitted"),
+        (_bonus_from_the_previous_row, "emitted"),
+        (_draft_probs_dropped, "lengths"),
+        (_block_stops_at_the_first_miss, "emitted"),
+    ],
+    ids=["tempered-q", "bonus-row", "q-dropped", "block-first-miss"],
 )
 def test_block_16_check_detects_a_biased_sampler(sampler, check):
     """The checks above can fail: deliberately wrong verifications are rejected at the same α and seeds."""
@@ -268,17 +406,19 @@ def _exact_joint_of_tokens_2_and_3(target, temperature, top_p, top_k) -> torch.T
 CASES = {
     # hybrid target, DFlash; max_new_tokens 4 puts x2 and x3 in one verified block (accept/accept,
     # accept/correct, correct then a second speculative round)
-    "dflash-hybrid": ("qwen3_5", 4, 1.0, 1.0, 0, ()),
+    "dflash-hybrid": ("qwen3_5", 4, 1.0, 1.0, 0, (), "block"),
+    # the same, verified token by token
+    "dflash-hybrid-token": ("qwen3_5", 4, 1.0, 1.0, 0, (), "token"),
     # plain target, DFlash with top-k/top-p; max_new_tokens 3: x3 is the bonus token after an accepted x2
-    "dflash-plain-filtered": ("qwen3", 3, 0.8, 0.9, 6, ()),
+    "dflash-plain-filtered": ("qwen3", 3, 0.8, 0.9, 6, (), "block"),
     # hybrid target, the block drafted in two passes: x2's draft is drawn given x1's
-    "dflash-hybrid-refined": ("qwen3_5", 4, 1.0, 1.0, 0, (1,)),
+    "dflash-hybrid-refined": ("qwen3_5", 4, 1.0, 1.0, 0, (1,), "block"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_equals_target_distribution(case):
-    family, max_new, temperature, top_p, top_k, refine = CASES[case]
+    family, max_new, temperature, top_p, top_k, refine, verify = CASES[case]
     # float32 and transformers' own torch delta rule: sampling exactness does not need float64.
     target = tiny_target(family, num_layers=4, vocab_size=VOCAB8, seed=3, dtype=torch.float32)
     with torch.no_grad():  # peaked distributions, so that drafts are often rejected and corrections matter
@@ -302,6 +442,7 @@ def test_speculative_sampling_equals_target_distribution(case):
                 block_size=3,
                 generator=g,
                 refine=refine,
+                verify=verify,
             )
             counts[r.tokens[1], r.tokens[2]] += 1
             accepted_any += any(a > 1 for a in r.acceptance_lengths)

@@ -35,6 +35,7 @@ from flashdraft.speculative.sampling import (
     sample,
     sampling_probs,
     validate_request,
+    validate_verify,
 )
 
 # Context lengths are rounded up to this many tokens, so that nearby prompt lengths reuse one engine.
@@ -193,12 +194,15 @@ def engine_decode(
     generator: torch.Generator | None = None,
     graphs: bool | None = None,
     refine: tuple[int, ...] = (),
+    verify: str = "block",
 ) -> GenerationResult:
     """Decode `input_ids` (batch 1) with a DFlash `drafter`, a prompt-`lookup` proposer, the target's `mtp` head
     (`flashdraft.target.mtp.MTPHead`: `num_drafts` chained drafts per round, default 3, verified in blocks of
     `block_size`), or none of them (one token per step). graphs: CUDA graphs (default: on a CUDA target). refine:
-    the drafter drafts each block in passes (`DrafterRunner.draft`), greedily only."""
+    the drafter drafts each block in passes (`DrafterRunner.draft`), greedily only. verify: how sampled drafts are
+    verified (`flashdraft.speculative.sampling`)."""
     validate_request(input_ids, max_new_tokens, temperature, top_p, top_k)
+    validate_verify(verify)
     if refine and (drafter is None or temperature > 0):
         raise ValueError("the engine drafts in passes (refine) only with a DFlash drafter at temperature 0")
     if sum(x is not None for x in (drafter, lookup, mtp)) > 1:
@@ -272,7 +276,7 @@ def engine_decode(
             want = drafts.shape[0]
             # Draft the next block before reading this round's result when a next round surely follows.
             ahead = runner is not None and len(result.tokens) + want + 2 < max_new_tokens
-            new = _verify_round(engine, runner, drafts, draft_probs, sampling, generator, ahead)
+            new = _verify_round(engine, runner, drafts, draft_probs, sampling, generator, ahead, verify)
             drafted = ahead
             for i in range(want):
                 result.position_offered[i] += 1
@@ -296,7 +300,9 @@ def _decode_step(engine: TargetEngine, token: int, sampling, generator) -> int:
     return int(next_token(engine.decode_logits[0], *sampling, generator))
 
 
-def _verify_round(engine, runner, drafts, draft_probs, sampling, generator, draft_ahead: bool = False) -> list[int]:
+def _verify_round(
+    engine, runner, drafts, draft_probs, sampling, generator, draft_ahead: bool = False, verify: str = "block"
+) -> list[int]:
     """Verify `drafts` (after the anchor already in verify_ids[0]), commit the accepted prefix; the emitted tokens.
 
     draft_ahead: also enqueue the runner's next draft (it needs only device values) before the host reads the
@@ -311,7 +317,8 @@ def _verify_round(engine, runner, drafts, draft_probs, sampling, generator, draf
         accepted = (drafts == choice[:want]).to(torch.int64).cumprod(0).sum()
         bonus = choice.index_select(0, accepted.view(1))[0]
     else:
-        accepted, bonus = rejection_sample_tensors(drafts, draft_probs, sampling_probs(logits, *sampling), generator)
+        target_probs = sampling_probs(logits, *sampling)
+        accepted, bonus = rejection_sample_tensors(drafts, draft_probs, target_probs, generator, verify)
     engine.keep.copy_(accepted + 1)
     engine.commit()
     if isinstance(runner, MTPRunner):

@@ -192,12 +192,12 @@ def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monke
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("case", [case for case, (*_, refine) in CASES.items() if not refine])
+@pytest.mark.parametrize("case", [case for case, (*_, refine, _) in CASES.items() if not refine])
 def test_speculative_sampling_equals_target_distribution(case, config):
     """As tests/speculative/test_sampling.py, through the engine (device-side rejection sampling, commits); the
     engine drafts in passes only greedily."""
     device, dtype, graphs = config
-    family, max_new, temperature, top_p, top_k, _ = CASES[case]
+    family, max_new, temperature, top_p, top_k, _, verify = CASES[case]
     target = tiny_target(family, num_layers=4, vocab_size=VOCAB8, seed=3, dtype=torch.float32).to(device)
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(30)
@@ -211,7 +211,17 @@ def test_speculative_sampling_equals_target_distribution(case, config):
         expected = _exact_joint_of_tokens_2_and_3(target, temperature, top_p, top_k).cpu()
         for _ in range(trials):
             r = generate(
-                target, drafter, prompt, max_new, temperature, top_p, top_k, block_size=3, generator=g, engine=True
+                target,
+                drafter,
+                prompt,
+                max_new,
+                temperature,
+                top_p,
+                top_k,
+                block_size=3,
+                generator=g,
+                engine=True,
+                verify=verify,
             )
             counts[r.tokens[1], r.tokens[2]] += 1
             accepted_any += any(a > 1 for a in r.acceptance_lengths)
