@@ -68,7 +68,7 @@ def add_parser(subparsers) -> None:
         default=None,
         help="comma-separated, e.g. 1,3,7: draft each block in passes, fixing that many drafts after each pass and "
         "drafting the rest again conditioned on them (a drafter trained with recipe.reveal > 0; when sampling, every "
-        "method decodes in the plain loop)",
+        "method decodes in the plain loop); 'each': one more draft fixed per pass (1, 2, ..., block size - 2)",
     )
     p.add_argument(
         "--verify",
@@ -106,15 +106,19 @@ def _parse_baselines(value: str | None) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(BASELINE_NAMES[v] for v in names))
 
 
-def _parse_refine(value: str | None) -> tuple[int, ...]:
+def _parse_refine(value: str | None) -> tuple[int, ...] | str:
     if not value:
         return ()
+    if value == "each":  # expanded once the block size is known
+        return value
     try:
         counts = tuple(int(v) for v in value.split(","))
     except ValueError:
         counts = ()
     if not counts or any(b <= a for a, b in zip((0, *counts), counts, strict=False)):
-        raise ValueError(f"--refine: expected ascending comma-separated counts of drafts, e.g. 1,3,7; got {value!r}")
+        raise ValueError(
+            f"--refine: expected ascending comma-separated counts of drafts, e.g. 1,3,7, or each; got {value!r}"
+        )
     return counts
 
 
@@ -256,6 +260,8 @@ def run(args) -> int:
             return EXIT_CHECK_FAILED
     drafter = DFlashDraftModel.from_pretrained(args.drafter, dtype=dtype).to(device).eval()
     check_fit(drafter, target, tokenizer, args.drafter, args.target)
+    if refine == "each":
+        refine = tuple(range(1, (args.block_size or drafter.block_size) - 1))
     stops = [] if args.ignore_eos else _stop_token_ids(target, tokenizer)
     mtp_head = mtp.load_mtp(target, directory) if "mtp" in baselines else None
     # Held-out text for the padding: by default the bundled evaluation prompts (files no training here saw).

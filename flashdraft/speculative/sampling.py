@@ -11,8 +11,8 @@ distribution q. `rejection_sample` verifies a block of drafts in one of two ways
   w_i = min(1, w_{i-1} p(x_i)/q(x_i)) lets a later draft make up for an earlier unlikely one; the number of
   accepted drafts is the last i whose uniform falls below h_i (h_n = w_n; before it, h_i = r_i / (r_i + 1 - w_i)
   with r_i = sum over x of max(0, w_i p_{i+1}(x) - q_{i+1}(x))), and the next token is drawn from
-  normalize(max(0, w_i p - q)) at that position. It emits the target's distribution too, and never fewer
-  tokens per round on average than token-by-token verification of the same drafts.
+  normalize(max(0, w_i p - q)) at that position. It emits the target's distribution too, and (Sun et al. show)
+  no fewer tokens per round on average than token-by-token verification of the same drafts.
 
 At temperature 0 neither runs: a greedy round keeps the drafts that equal the target's argmax.
 """
@@ -163,8 +163,8 @@ def _draft_rows(draft_tokens, draft_probs, target_probs) -> torch.Tensor:
 def block_acceptance(
     draft_tokens: torch.Tensor, draft_rows: torch.Tensor, target_probs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block verification's stopping probabilities h `[n]` (h_i: accept exactly the first i drafts, given that no
-    later draft stops) and running weights w `[n + 1]` (w_0 = 1), as in the module's docstring."""
+    """Block verification's pass probabilities h `[n]` (h_i: the test of the first i drafts passes; a round keeps
+    the longest prefix whose test passes) and running weights w `[n + 1]` (w_0 = 1), as in the module's docstring."""
     n = draft_tokens.shape[0]
     rows = torch.arange(n, device=draft_tokens.device)
     ratio = torch.log(target_probs[rows, draft_tokens]) - torch.log(draft_rows[rows, draft_tokens])

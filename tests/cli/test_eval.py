@@ -336,6 +336,11 @@ def test_eval_refine_drafts_in_passes(models, tmp_path, capsys):
     assert main([*common, "--refine", "1,2", "--json", str(tmp_path / "r.json")]) == 0
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["refine"] == [1, 2] and report["greedy_mismatches"] == 0
+    # each: one more draft kept per pass, up to the block size (4 here) - 2
+    assert main([*common, "--refine", "each", "--json", str(tmp_path / "e.json")]) == 0
+    assert json.loads((tmp_path / "e.json").read_text())["refine"] == [1, 2]
+    assert main([*common, "--refine", "each", "--block-size", "3", "--json", str(tmp_path / "e.json")]) == 0
+    assert json.loads((tmp_path / "e.json").read_text())["refine"] == [1]
     capsys.readouterr()
     for bad, message in (("1,x", "expected ascending"), ("2,1", "expected ascending"), ("3", "within 1 … 2")):
         assert main([*common, "--refine", bad]) == 2, bad
