@@ -34,7 +34,12 @@ def print_report(report: dict, console=None) -> None:
 
     # Written to a file or a pipe, rich would assume 80 columns and cut the numbers to "3.…": 11 columns need ~120.
     console = console or Console(width=None if sys.stdout.isatty() else 140)
-    table = Table(title=f"DFlash, block {report['block_size']}, temperature {report['temperature']}")
+    title = f"DFlash, block {report['block_size']}, temperature {report['temperature']}"
+    if report.get("refine"):
+        title += f", {len(report['refine']) + 1} passes"
+    if report.get("verify"):
+        title += f", {report['verify']} verification"
+    table = Table(title=title)
     columns = ("set", "n", "tau", "p95", "DFlash tok/s", "AR tok/s", "PL tok/s", "PL tau", "x AR", "ceiling", "x PL")
     for column in columns:
         table.add_column(column, justify="left" if column == "set" else "right", no_wrap=column == "set")

@@ -336,6 +336,9 @@ def test_eval_refine_drafts_in_passes(models, tmp_path, capsys):
     assert main([*common, "--refine", "1,2", "--json", str(tmp_path / "r.json")]) == 0
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["refine"] == [1, 2] and report["greedy_mismatches"] == 0
+    # The title names the passes; greedy rounds use no verification rule, so it names none.
+    title = next(line for line in capsys.readouterr().out.splitlines() if "DFlash, block" in line)
+    assert title.strip() == "DFlash, block 4, temperature 0.0, 3 passes"
     # each: one more draft kept per pass, up to the block size (4 here) - 2
     assert main([*common, "--refine", "each", "--json", str(tmp_path / "e.json")]) == 0
     assert json.loads((tmp_path / "e.json").read_text())["refine"] == [1, 2]
@@ -372,7 +375,7 @@ def test_eval_verify_chooses_how_sampled_drafts_are_verified(models, tmp_path, c
         assert main([*common, *flag, "--json", str(tmp_path / "r.json")]) == 0
         assert json.loads((tmp_path / "r.json").read_text())["verify"] == expected
         assert seen and set(seen) == {expected}, (flag, set(seen))
-    capsys.readouterr()
+        assert f"temperature 1.0, {expected} verification" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
         main([*common, "--verify", "tree"])
     assert exit_info.value.code == 2 and "invalid choice: 'tree'" in capsys.readouterr().err
