@@ -127,7 +127,7 @@ def _decode(
 ) -> GenerationResult:
     """One decode on the engine (with `engine_kwargs`) or the plain loop (with `plain_proposer()`, built only there).
 
-    sampling: temperature, top_p, top_k, stop_token_ids, generator (and verify), which both take alike."""
+    sampling: temperature, top_p, top_k, stop_token_ids, generator and verify, which both take alike."""
     if on_engine:
         return engine_decode(target, input_ids, max_new_tokens, **engine_kwargs, **sampling)
     return speculative_decode(
@@ -186,12 +186,7 @@ def prompt_lookup_generate(
     if num_draft < 0:
         raise ValueError(f"num_draft must be >= 0, got {num_draft}")
     sampling = dict(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        stop_token_ids=stop_token_ids,
-        generator=generator,
-        verify=verify,
+        temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator
     )
     on_engine = dict(lookup=PromptLookupProposer(ngram_max), block_size=num_draft + 1)
     return _decode(
@@ -203,6 +198,7 @@ def prompt_lookup_generate(
         lambda: PromptLookupProposer(ngram_max),
         num_draft,
         max_deferred,
+        verify=verify,
         **sampling,
     )
 
@@ -226,18 +222,13 @@ def mtp_generate(
     """Speculative decoding with the target's own MTP layer (`flashdraft.target.mtp.load_mtp`): `num_drafts`
     chained drafts per round (3: SGLang's documented `--speculative-num-steps` for Qwen3.5 and Qwen3-Next).
 
-    engine, verify: as in `generate`. On the engine every verification is `block_size` tokens wide (static shapes; only the
-    first num_drafts + 1 count), so that MTP shares DFlash's engine and graphs at the default of 16.
+    engine, verify: as in `generate`. On the engine every verification is `block_size` tokens wide (static shapes;
+    only the first num_drafts + 1 count), so that MTP shares DFlash's engine and graphs at the default of 16.
     """
     if num_drafts < 1:
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
     sampling = dict(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        stop_token_ids=stop_token_ids,
-        generator=generator,
-        verify=verify,
+        temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator
     )
     on_engine = dict(mtp=head, num_drafts=num_drafts, block_size=max(block_size, num_drafts + 1))
     return _decode(
@@ -249,5 +240,6 @@ def mtp_generate(
         lambda: MTPProposer(head, target, temperature, top_p, top_k, generator),
         num_drafts,
         max_deferred,
+        verify=verify,
         **sampling,
     )

@@ -328,19 +328,19 @@ def generate(
     block_size = int(drafter.block_size if block_size is None else block_size)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    common = dict(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        stop_token_ids=stop_token_ids,
-        generator=generator,
-        verify=verify,
-    )
+    common = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator)
     refine = validate_refine(refine, block_size) if refine else ()
     if use_engine(target, engine, drafter if block_size > 1 else None, refine, temperature):
         drafter = drafter if block_size > 1 else None
         return engine_session.engine_decode(
-            target, input_ids, max_new_tokens, drafter=drafter, block_size=block_size, refine=refine, **common
+            target,
+            input_ids,
+            max_new_tokens,
+            drafter=drafter,
+            block_size=block_size,
+            refine=refine,
+            verify=verify,
+            **common,
         )
     proposer = DFlashProposer(drafter, target, block_size, temperature, top_p, top_k, generator, refine)
     return speculative_decode(
@@ -350,5 +350,6 @@ def generate(
         max_new_tokens,
         num_drafts=block_size - 1,
         max_deferred=max_deferred,
+        verify=verify,
         **common,
     )
