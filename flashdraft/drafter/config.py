@@ -11,6 +11,7 @@ A DFlash drafter is a stack of plain Qwen3 decoder layers whatever the target, s
   `sliding_window`, `"full_attention"` layers see the whole context and the whole block.
 
 Reading follows the reference: a DFlash field is looked up in `dflash_config` first, then at the top level.
+Drafter families (DSpark) keep their own fields beside these (`families.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from typing import Any
 from huggingface_hub.errors import StrictDataclassError
 from transformers import PreTrainedConfig, Qwen3Config
 
-ARCHITECTURE = "DFlashDraftModel"
+from flashdraft.drafter.families import FAMILIES, family_config_fields, validate_family
+
+ARCHITECTURE = FAMILIES["dflash"].architecture
+# The reference `dflash` package's class: what `AutoModel` resolves for a DFlash drafter (no other family has one).
 AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -76,9 +80,12 @@ def draft_config_from_target(
     block_size: int = 16,
     target_layer_ids: list[int] | None = None,
     mask_token_id: int,
+    family: str = "dflash",
+    family_fields: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> Qwen3Config:
-    """A validated drafter config sized from the target's text config.
+    """A validated drafter config of `family` (its fields: `family_fields` over the family's defaults) sized from
+    the target's text config.
 
     Sizes (hidden, heads, kv heads, head_dim, intermediate, rms eps, rope theta, vocab, max positions) come from
     the target; `overrides` replaces any `Qwen3Config` field. For hybrid targets the head sizes are those of the
@@ -121,14 +128,15 @@ def draft_config_from_target(
         fields["use_sliding_window"] = True
     elif layer_types is None:
         fields["layer_types"] = ["full_attention"] * num_layers
+    extra = family_config_fields(family, family_fields)
     try:
         config = Qwen3Config(
             **fields,
             block_size=block_size,
             num_target_layers=num_target_layers,
-            dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
-            architectures=[ARCHITECTURE],
-            auto_map=dict(AUTO_MAP),
+            dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids), **extra},
+            architectures=[FAMILIES[family].architecture],
+            **({"auto_map": dict(AUTO_MAP)} if family == "dflash" else {}),
         )
     except StrictDataclassError as err:  # transformers' own field checks; re-raised as the ValueError callers catch
         raise ValueError(f"invalid drafter config: {err.__cause__ or err}") from err
@@ -188,6 +196,7 @@ def validate_draft_config(config: PreTrainedConfig) -> None:
             f"layer_types must list one of {LAYER_TYPES} per drafter layer "
             f"(num_hidden_layers={config.num_hidden_layers}), got {layer_types}"
         )
+    validate_family(config)
     if config.num_attention_heads % config.num_key_value_heads:
         raise ValueError(
             f"num_attention_heads={config.num_attention_heads} must be a multiple of "

@@ -12,6 +12,10 @@ residual stream. The drafter has no embedding and no LM head; logits come from t
     logits = drafter.compute_logits(hidden[:, 1:], target.lm_head)                          # (B, bs - 1, V)
 
 Checkpoints are in the format of the reference `dflash` package (also read by SGLang and vLLM), see `config.py`.
+
+A drafter of another family (`families.py`) is the same backbone with heads on top: DSpark's Markov head turns the
+block's logits into a left-to-right chain (`draft_logits` teacher-forced, `walk` when drafting) and its confidence
+head predicts each draft's acceptance (`confidence_logits`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from flashdraft.drafter.config import (
     draft_value,
     validate_draft_config,
 )
+from flashdraft.drafter.families import FAMILIES, build_heads, draft_offset, family_of, family_value
 from flashdraft.drafter.mask_token import choose_mask_token_id
 from flashdraft.hub import NO_HUB_KERNELS
 from flashdraft.io.atomic import atomic_directory
@@ -159,6 +164,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.markov_head, self.confidence_head = build_heads(config)  # before post_init, which initialises them
         self.post_init()
 
     # ---- what a caller needs to know -------------------------------------------------------------------------
@@ -179,6 +185,20 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     def num_target_layers(self) -> int:
         return int(draft_value(self.config, "num_target_layers"))
 
+    @property
+    def family(self) -> str:
+        return family_of(self.config)
+
+    @property
+    def draft_offset(self) -> int:
+        """Slot k of a block drafts the token at anchor + k + draft_offset (`families.py`)."""
+        return draft_offset(self.config)
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts per block: block_size - 1, or block_size when the anchor's slot drafts too."""
+        return self.block_size - 1 + self.draft_offset
+
     # ---- construction ----------------------------------------------------------------------------------------
 
     @classmethod
@@ -190,9 +210,12 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         target_layer_ids: list[int] | None = None,
         mask_token_id: int | None = None,
         tokenizer=None,
+        family: str = "dflash",
+        family_fields: dict[str, Any] | None = None,
         **overrides: Any,
     ) -> DFlashDraftModel:
-        """A freshly initialised drafter sized from the target's (text) config; see `draft_config_from_target`.
+        """A freshly initialised drafter of `family` sized from the target's (text) config; see
+        `draft_config_from_target`.
 
         `target_layer_ids` default to `num_layers` ids spread over the target (`build_target_layer_ids`);
         `mask_token_id` defaults to `choose_mask_token_id(target_config, tokenizer)`. `overrides` replace
@@ -207,6 +230,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             block_size=block_size,
             target_layer_ids=target_layer_ids,
             mask_token_id=mask_token_id,
+            family=family,
+            family_fields=family_fields,
             **overrides,
         )
         return cls(config)
@@ -269,6 +294,28 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             )
         return self.norm(hidden)
 
+    def draft_logits(
+        self, hidden: torch.Tensor, lm_head: nn.Module | torch.Tensor, prev: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits of drafting slots hidden (..., K, D), teacher-forced: with a Markov head, each with the bias of
+        the true token before its draft, `prev` (..., K) (the anchor, then the labels) -> (..., K, V)."""
+        logits = self.compute_logits(hidden, lm_head)
+        return logits if self.markov_head is None else logits + self.markov_head.block_bias(prev, hidden)
+
+    def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """The confidence head's logits (..., K) of drafting slots hidden (..., K, D) after tokens prev (..., K)."""
+        with_markov = family_value(self.config, "confidence_head_with_markov")
+        return self.confidence_head(hidden, self.markov_head.embed(prev, hidden) if with_markov else None)
+
+    def walk(self, hidden: torch.Tensor, lm_head: nn.Module | torch.Tensor, first: torch.Tensor, pick) -> tuple:
+        """Draft the K slots hidden (K, D) after the token `first` (0-d): `pick(k, logits) -> token` (0-d: argmax
+        or a draw) chooses each; with a Markov head, left to right (`MarkovHead.walk`). Returns (drafts (K,),
+        logits (K, V) as picked from). Device operations only (CUDA-graph safe)."""
+        base = self.compute_logits(hidden, lm_head)
+        if self.markov_head is not None:
+            return self.markov_head.walk(base, hidden, first, pick)
+        return torch.stack([pick(k, base[k]) for k in range(base.shape[0])]), base
+
     def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module | torch.Tensor) -> torch.Tensor:
         """Logits of drafter hidden states through the target's LM head (a module, or its (V, D) weight).
 
@@ -319,8 +366,10 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             config = Qwen3Config.from_pretrained(path)
             kwargs["config"] = config
             where = path / "config.json"
-            if "DFlash2DraftModel" in (getattr(config, "architectures", None) or []):
-                raise ValueError(f"{where}: a DFlash 2 drafter (DFlash2DraftModel), which flashdraft does not support")
+            try:
+                family_of(config)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
             if draft_value(config, "block_size") is None and draft_value(config, "target_layer_ids") is None:
                 raise ValueError(
                     f"{where}: not a DFlash drafter (no block_size, no dflash_config; architectures "
@@ -341,5 +390,10 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def write_checkpoint(self, directory: str | os.PathLike, **kwargs: Any) -> None:
         """Write the checkpoint files into an existing `directory`, in place (not atomic)."""
-        self.config.auto_map = dict(AUTO_MAP)
+        family = self.family
+        if family == "dflash":
+            self.config.auto_map = dict(AUTO_MAP)
         super().save_pretrained(directory, **kwargs)
+        # transformers writes the class name; a family keeps its own architecture.
+        self.config.architectures = [FAMILIES[family].architecture]
+        self.config.save_pretrained(directory)

@@ -13,12 +13,17 @@ then A blocks of `block_size` tokens, one per anchor p_a, packed side by side (D
 Decisions (each is what inference does, so that training and serving see the same thing):
 - An anchor p is a response token (`loss_mask[p]`) whose next token is one too (every block has a label), with
   p >= 1 (the target has always prefilled at least one token before the first anchor) and room for the whole
-  block (p + bs - 1 <= T - 1).
-- Block a holds the token at its anchor, then MASK tokens; its labels are the tokens at p_a + k for k >= 1 that
-  are response tokens, weighted w_k = exp(-(k - 1) / γ) (train/loss/ sums Σ w·CE / Σ w).
-- With `recipe.reveal`, some blocks show their first r labels in place of MASK (`sample_reveals`): what a block
-  drafted in several passes sees when its kept drafts are right, the only case in which later drafts count. Those r
-  positions are inputs, not labels, and the rest are weighted from the first hidden one: w_k = exp(-(k - 1 - r) / γ).
+  block (its last label at p + bs - 1 + offset <= T - 1).
+- Block a holds the token at its anchor, then MASK tokens. Slot k predicts the token at p_a + k + offset: with
+  offset 0 (DFlash) slot 0, the anchor, predicts nothing and slots 1 … bs − 1 draft the tokens at their own
+  positions; with offset 1 (DSpark's convention, `sample_from_anchor`) the anchor's slot drafts the next token
+  and every slot drafts the token after its position, so a block of bs gives bs drafts. Labels are those tokens
+  when they are response tokens, weighted w = exp(-(j - 1) / γ) at label distance j = k + offset from the anchor
+  (train/loss/ sums Σ w·ℓ / Σ w).
+- With `recipe.reveal`, some blocks show the tokens at p + 1 … p + r in slots 1 … r in place of MASK
+  (`sample_reveals`): what a block drafted in several passes sees when its kept drafts are right, the only case in
+  which later drafts count. Those tokens are inputs, not labels, and the labels after them are weighted from the
+  first hidden one: w = exp(-(j - 1 - r) / γ).
 """
 
 from __future__ import annotations
@@ -58,13 +63,13 @@ def anchor_generator(seed: int, epoch: int, sample_index: int) -> torch.Generato
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
 
-def anchor_candidates(loss_mask: torch.Tensor, block_size: int) -> torch.Tensor:
+def anchor_candidates(loss_mask: torch.Tensor, block_size: int, offset: int = 0) -> torch.Tensor:
     """Every position p that may anchor a block (see the module docstring), ascending, as a LongTensor."""
     if loss_mask.ndim != 1:
         raise ValueError(f"loss_mask must be (T,), got shape {tuple(loss_mask.shape)}")
     response = loss_mask.bool()
     length = response.numel()
-    last = length - block_size  # p + bs - 1 <= T - 1
+    last = length - block_size - offset  # p + bs - 1 + offset <= T - 1
     if last < 1:
         return torch.empty(0, dtype=torch.long, device=loss_mask.device)
     p = torch.arange(1, last + 1, device=loss_mask.device)
@@ -80,6 +85,7 @@ def sample_anchors(
     block_size: int,
     generator: torch.Generator | None = None,
     how: str = "uniform",
+    offset: int = 0,
 ) -> torch.Tensor:
     """Up to `num_anchors` distinct anchor positions among `anchor_candidates`, sorted → (A,).
 
@@ -90,7 +96,7 @@ def sample_anchors(
     """
     if how not in ANCHOR_SAMPLING:
         raise ValueError(f"anchor sampling {how!r}: must be one of {', '.join(ANCHOR_SAMPLING)}")
-    candidates = anchor_candidates(loss_mask, block_size)
+    candidates = anchor_candidates(loss_mask, block_size, offset)
     count = candidates.numel()
     if count <= num_anchors:
         return candidates
@@ -133,10 +139,17 @@ class DraftBatch:
     anchors: torch.Tensor
     """(B, A) anchor positions; PAD_ANCHOR (-1) for padding blocks of sequences with fewer anchors."""
     block_size: int
+    offset: int = 0
+    """What slot k drafts: the token at p + k + offset (0: DFlash's convention; 1: the anchor's slot drafts too)."""
 
     @property
     def ctx_len(self) -> int:
         return self.position_ids.shape[1] - self.block_ids.shape[1]
+
+    @property
+    def label_positions(self) -> torch.Tensor:
+        """(B, Q) the sequence position each query's label comes from (valid where `labels` is set)."""
+        return self.position_ids[:, self.ctx_len :] + self.offset
 
     @property
     def block_valid(self) -> torch.Tensor:
@@ -149,7 +162,7 @@ class DraftBatch:
             for f in fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
-        return DraftBatch(**moved, block_size=self.block_size)
+        return DraftBatch(**moved, block_size=self.block_size, offset=self.offset)
 
 
 def pad_anchors(
@@ -182,6 +195,7 @@ def build_blocks(
     gamma: float | None = None,
     num_blocks: int | None = None,
     reveals: Sequence[torch.Tensor] | None = None,
+    offset: int = 0,
 ) -> DraftBatch:
     """Pack one block per anchor (see `DraftBatch`); `gamma` defaults to `gamma_for(block_size)`.
 
@@ -189,7 +203,10 @@ def build_blocks(
     (A_b,) tensors (e.g. from `sample_anchors`) or a (B, A) tensor padded with PAD_ANCHOR. `num_blocks` pads every
     sequence to that many blocks (static shapes); by default, to the most anchors of any sequence. `reveals`: per
     sequence, how many drafted positions each of its blocks reveals (`sample_reveals`, one per anchor); default none.
+    `offset`: what each slot drafts (`DraftBatch.offset`).
     """
+    if offset not in (0, 1):
+        raise ValueError(f"offset must be 0 (DFlash) or 1 (the anchor's slot drafts too), got {offset}")
     if input_ids.shape != loss_mask.shape or input_ids.ndim != 2:
         raise ValueError(
             f"input_ids and loss_mask must both be (B, T), got {tuple(input_ids.shape)} and {tuple(loss_mask.shape)}"
@@ -206,38 +223,52 @@ def build_blocks(
     num_blocks = anchors.shape[1]
 
     k = torch.arange(block_size, device=device)
-    pos = anchors.clamp(min=0)[..., None] + k  # (B, A, bs)
-    inside = pos < length
-    safe = pos.clamp(max=length - 1).view(batch, -1)
-    tokens = input_ids.gather(1, safe).view(batch, num_blocks, block_size)
-    response = loss_mask.bool().gather(1, safe).view(batch, num_blocks, block_size)
-    labelled = valid[..., None] & inside & response & (k >= 1)
+    base = anchors.clamp(min=0)[..., None]
+    pos = base + k  # (B, A, bs)
+
+    def at(positions):  # tokens, response flags and inside-the-sequence flags at (B, A, bs) positions
+        safe = positions.clamp(max=length - 1).view(batch, -1)
+        shape = (batch, num_blocks, block_size)
+        return (
+            input_ids.gather(1, safe).view(shape),
+            loss_mask.bool().gather(1, safe).view(shape),
+            positions < length,
+        )
+
+    inputs, input_response, input_inside = at(pos)
+    j = k + offset  # each slot's label distance from the anchor
+    targets, target_response, target_inside = at(base + j)
     revealed = torch.zeros_like(anchors)
     if reveals is not None:
         if len(reveals) != batch or any(r.numel() != a for r, a in zip(reveals, valid.sum(1).tolist(), strict=True)):
             raise ValueError("reveals must give one count per anchor of each sequence")
         revealed = pad_anchors(reveals, device, num_blocks).clamp(min=0)  # as wide as the anchors, padded with 0
-    shown = labelled & (k <= revealed[..., None])  # k >= 1 by `labelled`
+    # Revealed tokens p + 1 … p + r are inputs at slots 1 … r, never labels.
+    shown = valid[..., None] & input_inside & input_response & (k >= 1) & (k <= revealed[..., None])
+    labelled = valid[..., None] & target_inside & target_response & (j >= 1) & (j > revealed[..., None])
 
-    block_ids = torch.where(shown, tokens, mask_token_id)
-    block_ids[..., 0] = torch.where(valid, tokens[..., 0], mask_token_id)
-    labelled = labelled & ~shown
-    decay = torch.exp(-(k - 1 - revealed[..., None]).clamp(min=0).float() / gamma)
+    block_ids = torch.where(shown, inputs, mask_token_id)
+    block_ids[..., 0] = torch.where(valid, inputs[..., 0], mask_token_id)
+    decay = torch.exp(-(j - 1 - revealed[..., None]).clamp(min=0).float() / gamma)
     context_pos = torch.arange(length, device=device).expand(batch, -1)
     return DraftBatch(
         block_ids=block_ids.view(batch, -1),
         position_ids=torch.cat([context_pos, pos.view(batch, -1)], dim=1),
-        labels=torch.where(labelled, tokens, IGNORE_INDEX).view(batch, -1),
+        labels=torch.where(labelled, targets, IGNORE_INDEX).view(batch, -1),
         weights=torch.where(labelled, decay, 0.0).view(batch, -1),
         anchors=anchors,
         block_size=block_size,
+        offset=offset,
     )
 
 
 def before_labels(states: torch.Tensor, batch: DraftBatch) -> torch.Tensor:
-    """(B, T, D) per-token states → (B, Q, D) the state at p_a + k − 1 for each query, where the target predicts the
-    token labelled at (a, k). Queries without a label read a clamped position; their rows are never used."""
-    positions = (batch.position_ids[:, batch.ctx_len :] - 1).clamp(0, states.shape[1] - 1)
+    """(B, T, ...) per-token values → (B, Q, ...) the value one position before each query's label: the target's
+    state where it predicts that label, or (for token ids) the true token before it. Queries without a label read a
+    clamped position; their rows are never used."""
+    positions = (batch.label_positions - 1).clamp(0, states.shape[1] - 1)
+    if states.dim() == 2:
+        return states.gather(1, positions)
     return states.gather(1, positions[..., None].expand(-1, -1, states.shape[-1]))
 
 

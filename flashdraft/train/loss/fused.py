@@ -11,11 +11,10 @@ from full logits; the tests compare the two.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from flashdraft.train.blocks import IGNORE_INDEX
+from flashdraft.train.loss.chunks import chunk_logits, compiled
 from flashdraft.train.loss.objective import PAPER, Objective, dpace_weights
 from flashdraft.train.loss.stats import LossStats, block_stats
 
@@ -43,26 +42,6 @@ def check_loss_inputs(
     queries = labels.shape[1]
     if queries % block_size:
         raise ValueError(f"Q = {queries} query positions is not a multiple of block_size {block_size}")
-
-
-@functools.cache
-def _has_fp32_out_mm(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether `torch.mm(..., out_dtype=float32)` exists for `dtype` on this device (CUDA bf16/fp16 today)."""
-    try:
-        a = torch.ones(2, 2, dtype=dtype, device=device_type)
-        torch.mm(a, a, out_dtype=torch.float32)
-        return True
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
-    """(c, D) x (V, D) → (c, V) logits in `compute_dtype`, the matmul in the head's dtype."""
-    hidden = hidden.to(weight.dtype)
-    if weight.dtype != compute_dtype and _has_fp32_out_mm(weight.device.type, weight.dtype):
-        # fp32 accumulate *and* fp32 output: no rounding of the logits to bf16 before the softmax.
-        return torch.mm(hidden, weight.t(), out_dtype=compute_dtype)
-    return torch.mm(hidden, weight.t()).to(compute_dtype)
 
 
 def _chunk_ce(logits: torch.Tensor, target: torch.Tensor, eta: float | None, grad_dtype: torch.dtype | None):
@@ -129,12 +108,6 @@ def _chunk_soft(
     return loss[:, 0], alpha[:, 0], correct, dlogits.to(grad_dtype)
 
 
-@functools.cache
-def _compiled(chunk_fn):
-    # dynamic: the last chunk has fewer rows; one graph serves every chunk size.
-    return torch.compile(chunk_fn, dynamic=True)
-
-
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Per-row token losses ℓ_i of h_i W^T against y_i, in row chunks; each row's gradient dℓ_i/dh_i is made in the
     same pass and stored, so backward only scales it by the incoming per-row gradient (the position weights).
@@ -158,7 +131,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if compile_chunks is None:
                 compile_chunks = hidden.is_cuda
             if compile_chunks:
-                chunk_fn = _compiled(chunk_fn)
+                chunk_fn = compiled(chunk_fn)
             rows = hidden.shape[0]
             token_loss = torch.empty(rows, dtype=compute_dtype, device=hidden.device)
             confidence = torch.empty(rows, dtype=compute_dtype, device=hidden.device)
@@ -166,10 +139,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grad = torch.empty_like(hidden) if need_grad else None
             for start in range(0, rows, chunk_size):
                 end = min(start + chunk_size, rows)
-                logits = _chunk_logits(hidden[start:end], weight, compute_dtype)
+                logits = chunk_logits(hidden[start:end], weight, compute_dtype)
                 inputs = (logits,)
                 if teacher is not None:
-                    inputs += (_chunk_logits(teacher[start:end], weight, compute_dtype),)
+                    inputs += (chunk_logits(teacher[start:end], weight, compute_dtype),)
                 token_loss[start:end], confidence[start:end], correct[start:end], dlogits = chunk_fn(
                     *inputs, labels[start:end, None], eta, weight.dtype if need_grad else None
                 )

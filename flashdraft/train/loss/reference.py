@@ -1,5 +1,5 @@
-"""The DFlash loss written plainly: every logit at once, torch's cross-entropy and softmax, and each `Objective`
-from its definition (what `dflash_loss` must equal).
+"""The losses written plainly: every logit at once, torch's cross-entropy and softmax, and each `Objective`
+from its definition (what `dflash_loss` and `dspark_loss` must equal).
 
 It holds all B·Q·V logits and their gradient, so it serves tests and checks of a new head, dtype or device, not
 training. Same arguments and return contract as `dflash_loss`: (loss, `LossStats`).
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from flashdraft.train.blocks import IGNORE_INDEX
+from flashdraft.train.loss.dspark import DSPARK, DSparkWeights
 from flashdraft.train.loss.fused import check_loss_inputs
 from flashdraft.train.loss.objective import PAPER, Objective, labelled_blocks
 from flashdraft.train.loss.stats import LossStats, block_stats
@@ -81,4 +82,50 @@ def _dpace_by_definition(q: torch.Tensor, labelled: torch.Tensor, block_size: in
     return torch.where(keep, reach @ upper.t(), 0.0).view(q.shape)  # Σ_m upper[j, m] reach_m
 
 
-__all__ = ["reference_loss"]
+def reference_dspark_loss(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    block_size: int,
+    markov: torch.Tensor | None = None,
+    markov_w2: torch.Tensor | None = None,
+    confidence_logits: torch.Tensor | None = None,
+    loss_weights: DSparkWeights = DSPARK,
+    objective: Objective = PAPER,
+    offset: int = 1,
+    denominator: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """`dspark_loss` written plainly from full (B, Q, V) logits with torch's own functions and autograd: what it
+    must equal, for tests (in float64: pass float64 tensors)."""
+    dtype = torch.promote_types(torch.promote_types(hidden.dtype, lm_head_weight.dtype), torch.float32)
+    labelled = labels != IGNORE_INDEX
+    logits = hidden.to(dtype) @ lm_head_weight.to(dtype).t()
+    if markov is not None:
+        logits = logits + markov.to(dtype) @ markov_w2.to(dtype).t()
+    teacher = (teacher_hidden.to(dtype) @ lm_head_weight.to(dtype).t()).detach()
+    q, p = logits.softmax(-1), teacher.softmax(-1)
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX)
+    distance = (q - p).abs().sum(-1)
+    acceptance = torch.minimum(q, p).sum(-1).clamp(0, 1).detach()
+    token_loss = loss_weights.ce * ce.view(labels.shape) + loss_weights.distance * distance
+    if confidence_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(confidence_logits.to(dtype), acceptance, reduction="none")
+        token_loss = token_loss + loss_weights.confidence * bce
+    if objective.weighting == "dpace":
+        w = _dpace_by_definition(acceptance, labelled, block_size, objective.dpace_alpha)
+    else:
+        w = torch.where(labelled, weights.to(dtype), 0.0)
+    normaliser = objective.normaliser(labels, weights.to(dtype), block_size)
+    denominator = normaliser if denominator is None else torch.as_tensor(denominator, dtype=dtype)
+    loss_sum = torch.where(labelled, w * token_loss, 0.0).sum()
+    loss = loss_sum / denominator if denominator > 0 else loss_sum * 0
+    with torch.no_grad():
+        hits = (logits.argmax(-1) == labels) & labelled
+        stats = block_stats(hits, labelled, loss_sum, normaliser, block_size, offset)
+    return loss, stats
+
+
+__all__ = ["reference_dspark_loss", "reference_loss"]

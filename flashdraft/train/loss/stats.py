@@ -21,9 +21,9 @@ class LossStats:
     """The loss's normaliser over the same positions (`Objective.normaliser`): Σ w for the exp weighting, the
     labelled blocks for dpace; loss_sum / weight_sum is the logged loss."""
     correct: torch.Tensor
-    """(bs,) argmax == label per block position k (k = 0 is never labelled: 0)."""
+    """(drafts + 1,) argmax == label per draft j, the token j after the anchor (j = 0 is never labelled: 0)."""
     valid: torch.Tensor
-    """(bs,) labelled positions per k."""
+    """(drafts + 1,) labelled positions per j."""
     accepted: torch.Tensor
     """Σ over blocks of the leading run of correct labelled positions (what greedy verification would accept)."""
     blocks: torch.Tensor
@@ -33,7 +33,7 @@ class LossStats:
         return LossStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     def accuracy(self) -> torch.Tensor:
-        """(bs - 1,) accuracy at k = 1..bs-1 (0 where nothing was labelled)."""
+        """(drafts,) accuracy of drafts j = 1 … (0 where nothing was labelled)."""
         return (self.correct[1:].double() / self.valid[1:].clamp(min=1)).float()
 
     def tau(self) -> torch.Tensor:
@@ -58,15 +58,24 @@ def simulated_tau(acc_per_position: torch.Tensor) -> torch.Tensor:
 
 
 def block_stats(
-    hits: torch.Tensor, labelled: torch.Tensor, loss_sum: torch.Tensor, weight_sum: torch.Tensor, block_size: int
+    hits: torch.Tensor,
+    labelled: torch.Tensor,
+    loss_sum: torch.Tensor,
+    weight_sum: torch.Tensor,
+    block_size: int,
+    offset: int = 0,
 ) -> LossStats:
     """`LossStats` of one call from (B, Q) argmax hits and labelled positions (both bool, unlabelled hits ignored).
 
-    The counts cover the blocks drafted from MASK alone (position 1 labelled: every block unless `recipe.reveal`
-    showed some of its labels), which is what single-pass drafting sees; the loss covers every block."""
+    The counts are per draft: index j counts the draft of the token j after the anchor (`DraftBatch.offset`: the
+    slot it comes from is j - offset), index 0 is never labelled. They cover the blocks drafted from MASK alone
+    (the first draft labelled: every block unless `recipe.reveal` showed some of its labels), which is what
+    single-pass drafting sees; the loss covers every block."""
     batch = labelled.shape[0]
     hits = hits.view(batch, -1, block_size)
     shaped = labelled.view(batch, -1, block_size)
+    if offset:  # drafts by distance from the anchor: the anchor's own position (distance 0) first, never labelled
+        hits, shaped = (torch.nn.functional.pad(t, (offset, 0)) for t in (hits, shaped))
     shaped = shaped & shaped[..., 1:2]
     # A block's accepted run: labelled-and-correct positions from k = 1 up to the first miss.
     run = torch.cumprod((hits & shaped)[..., 1:].long(), dim=-1).sum(-1)

@@ -263,7 +263,8 @@ def test_loss_bf16_on_gpu_never_holds_all_logits():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_compiled_chunk_math_equals_eager_on_gpu():
-    from flashdraft.train.loss.fused import _chunk_ce, _chunk_soft, _compiled
+    from flashdraft.train.loss.chunks import compiled as _compiled
+    from flashdraft.train.loss.fused import _chunk_ce, _chunk_soft
 
     g = torch.Generator(device="cuda").manual_seed(7)
     for rows in (1000, 37):  # a full chunk and a short last one (dynamic shapes)
@@ -287,7 +288,7 @@ def test_compile_chunks_decides_whether_the_chunk_math_is_compiled(monkeypatch, 
     from flashdraft.train.loss import fused
 
     calls = []
-    monkeypatch.setattr(fused, "_compiled", lambda fn: calls.append(fn.__name__) or fn)
+    monkeypatch.setattr(fused, "compiled", lambda fn: calls.append(fn.__name__) or fn)
     hidden, weight, labels, weights = random_loss_inputs()
     loss, _ = dflash_loss(hidden, weight, labels, weights, block_size=5, chunk_size=7, compile_chunks=compile_chunks)
     assert calls == (["_chunk_ce"] if compiles else [])
