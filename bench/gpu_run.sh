@@ -30,7 +30,7 @@
 #                  (examples/tiny_target/ship.py ships it). DRAFTER_PIPELINE picks the pipeline's stages (default
 #                  "corpus regen drafter eval"): "corpus regen" makes rows for a later call (gzip them and carry
 #                  them), "drafter eval" trains on carried rows (DRAFTER_ARGS="data.train=[...]")
-#   sweep          examples/tiny_target/sweep.py on the drafter stage's rows, or on SWEEP_DATA (paths), with
+#   sweep          tools/sweep.py on the drafter stage's rows, or on SWEEP_DATA (paths), with
 #                  SWEEP_ARGS (e.g. --variants ...)
 # The stages run one after another, never beside each other, so no timing shares the GPU with a compile.
 # WHEELS=DIR: wheels installed first (no dependencies, into a private folder on PYTHONPATH) for what the machine
@@ -126,7 +126,7 @@ stage_command() {
         "if [ -d $dir/build/drafter_run/checkpoints ]; then" \
         "cp -r \$(ls -d $dir/build/drafter_run/checkpoints/step_* | tail -1)/drafter $dir/final_drafter; fi" ;;
     sweep)
-      echo "python3 examples/tiny_target/sweep.py --out $dir ${SWEEP_ARGS:-} --data" \
+      echo "python3 tools/sweep.py --out $dir ${SWEEP_ARGS:-} --data" \
         "${SWEEP_DATA:-$OUT/drafter/build/regen_t0.jsonl $OUT/drafter/build/regen_t1.jsonl}" ;;
     *)
       echo "echo 'unknown stage $name (see the list at the top of bench/gpu_run.sh)'; exit 2" ;;

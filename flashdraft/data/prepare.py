@@ -73,8 +73,8 @@ class PrepareConfig:
     batch_size: int = 256
     """Records tokenised per batch."""
     workers: int | None = None
-    """Processes that render and tokenise (chat templates are Python-bound: about 300 multi-turn chats/s per
-    process); the output is identical for any number. None: one for inputs under 32 MiB (starting a process costs
+    """Processes that render and tokenise (chat templates are Python-bound, so rendering scales with processes);
+    the output is identical for any number. None: one for inputs under 32 MiB (starting a process costs
     seconds) or under 4 cores, else half the cores, at most 8. More than one needs the usual
     `if __name__ == "__main__":` guard in a calling script (processes are spawned)."""
 
@@ -287,8 +287,8 @@ def _workers(cfg: PrepareConfig, files: list[SourceFile]) -> int:
     if cfg.workers is not None:
         return cfg.workers
     cores = os.cpu_count() or 1
-    # The main process parses JSON and writes, and the Rust tokenizer already uses two threads: on 2 cores a
-    # second process measured no faster (6000 multi-turn chats: 20.6 s vs 21.6 s), so use half the cores.
+    # The main process parses JSON and writes, and the Rust tokenizer already uses two threads: on few cores a
+    # second process only competes with them for the same cores: one process under 4 cores, else half of them.
     if sum(f.size for f in files) < AUTO_WORKERS_BYTES or cores < 4:
         return 1
     return min(8, cores // 2)

@@ -117,8 +117,8 @@ def _generate(model, tokenizer, texts: list[str], temperature: float, max_new_to
 
 
 def _sdpa_without_cudnn(device: torch.device):
-    """SDPA minus the cuDNN backend on a GPU: cuDNN plans every new key length (each decode step's is new) and that
-    host-side planning cost ~4.7 ms per call on an H200, more than the tiny target's step."""
+    """SDPA minus the cuDNN backend on a GPU: cuDNN plans every new key length, each decode step's is new, and that
+    host-side planning can cost more than a small target's whole decode step."""
     if torch.device(device).type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -172,7 +172,7 @@ def _conv_kernels(conv_backend: str):
         if mod is None:
             return DAO_CUDA, None, None, f"fallback: {why}"
         return DAO_CUDA, mod.causal_conv1d_fn, mod.causal_conv1d_update, ""
-    # auto / flashdraft: ours. It measured at or above Dao's CUDA kernel (bench/RESULTS.md) and needs no build.
+    # auto / flashdraft: ours, which needs no build; how it compares with Dao's kernel: bench/RESULTS.md.
     from flashdraft import kernels
 
     return FLASHDRAFT_TRITON, kernels.causal_conv1d_fn, kernels.causal_conv1d_update, ""

@@ -14,9 +14,9 @@ forward that happens anyway. The drafter's context features of those tokens come
 (the target is causal, so they are already exact).
 
 Deferred tokens accumulate while rounds keep ending in a rejection (each restore goes back to before all of
-them), so a verification is `deferred + bs` tokens wide. On a GPU that is nearly free while the forward stays
-memory-bound (up to ~150 tokens for a 27B target on an H200); past `max_deferred` (default 4 x bs) one forward
-of their own commits them.
+them), so a verification is `deferred + bs` tokens wide. On a GPU the extra width is nearly free while the forward
+stays memory-bound (reading the weights, not computing on the tokens, sets its time), which holds for a few times
+the block at batch 1; past `max_deferred` (default 4 x bs) one forward of their own commits them.
 
 Invariants of the loop (n = number of tokens so far, prompt included):
 - the target's cache holds tokens [0, committed); tokens [committed, n) are fed by the next verification;
@@ -272,9 +272,8 @@ def use_engine(
     refine: tuple[int, ...] = (),
     temperature: float = 0.0,
 ) -> bool:
-    """Whether to decode with `flashdraft.speculative.engine`: None (auto) = on a CUDA target the engine supports (its
-    CUDA-graph path passed the whole GPU suite and bench/spec_engine.py's goals on the H200); True =
-    always (a ValueError says why it cannot); False = never (this module's plain loop).
+    """Whether to decode with `flashdraft.speculative.engine`: None (auto) = on a CUDA target the engine supports;
+    True = always (a ValueError says why it cannot); False = never (this module's plain loop).
 
     The engine computes in the models' own dtypes (static caches, no autocast), so a `drafter` whose dtype is not
     the target's (float32 master weights beside a bf16 target, during training) takes the plain loop, and so

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from flashdraft import bundled
 from flashdraft.drafter import DFlashDraftModel
-from tests.examples.scripts import load_script
+from tests.scripts import TINY_TARGET, load_script
 
 
 def _float32_drafter(path):
@@ -27,7 +27,9 @@ def test_ship_writes_the_drafter_in_bf16_with_rows_and_prompts(tmp_path):
     _rows(build / "regen_t0.jsonl", 5, "t0")
     _rows(build / "regen_t1.jsonl", 4, "t1")
     (build / "corpus" / "heldout_prompts.jsonl").write_text('{"prompt": "held", "category": "c"}\n')
-    load_script("ship").main(["--drafter", str(drafter), "--build", str(build), "--out", str(out), "--rows", "3"])
+    load_script(TINY_TARGET / "ship.py").main(
+        ["--drafter", str(drafter), "--build", str(build), "--out", str(out), "--rows", "3"]
+    )
     weights = load_file(out / "drafter" / "model.safetensors")
     original = load_file(drafter / "model.safetensors")
     assert weights.keys() == original.keys() and all(w.dtype == torch.bfloat16 for w in weights.values())
@@ -44,7 +46,9 @@ def test_drafter_only_keeps_the_shipped_rows_and_prompts(tmp_path):
     (out / "drafter" / "stale.bin").write_text("old")
     (out / "train.jsonl").write_text("rows\n")
     (out / "eval.jsonl").write_text("prompts\n")
-    load_script("ship").main(["--drafter-only", "--drafter", str(drafter), "--out", str(out), "--build", "missing"])
+    load_script(TINY_TARGET / "ship.py").main(
+        ["--drafter-only", "--drafter", str(drafter), "--out", str(out), "--build", "missing"]
+    )
     assert sorted(p.name for p in (out / "drafter").iterdir()) == ["config.json", "model.safetensors"]
     assert json.loads((out / "drafter" / "config.json").read_text())["dtype"] == "bfloat16"
     assert (out / "train.jsonl").read_text() == "rows\n" and (out / "eval.jsonl").read_text() == "prompts\n"

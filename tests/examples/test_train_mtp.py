@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import load_file
 
 from flashdraft import bundled
-from tests.examples.scripts import load_script
+from tests.scripts import TINY_TARGET, load_script
 
 
 @pytest.fixture
 def script():
-    return load_script("train_mtp")
+    return load_script(TINY_TARGET / "train_mtp.py")
 
 
 @pytest.fixture

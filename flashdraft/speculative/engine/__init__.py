@@ -1,1 +1,1 @@
-"""A fast, exact speculative-decoding engine: static caches, exact hybrid rollback, CUDA graphs (see target.py)."""
+"""The speculative-decoding engine: static caches, exact hybrid rollback, CUDA graphs (see target_runner.py)."""

@@ -152,7 +152,7 @@ class TargetEngine:
         # The commit's own stream on a GPU (see the module docstring); None: commits run in line.
         self.commit_stream = torch.cuda.Stream(dev) if cuda and self.overlap_commit else None
         self._commit_in_flight = False
-        # Pinned host memory and an event for reading a round's result while the GPU goes on (loop.py).
+        # Pinned host memory and an event for reading a round's result while the GPU goes on (session.py).
         self.host_values = torch.zeros(block_size + 1, dtype=torch.long, pin_memory=True) if cuda else None
         self.read_event = torch.cuda.Event() if cuda else None
         self.steps = {

@@ -1,6 +1,6 @@
 """Recipe ablation on the tiny target: train each variant with the same budget, measure τ at T=0 and T=1.
 
-    python examples/tiny_target/sweep.py --data build/tiny_target/regen_t0.jsonl build/tiny_target/regen_t1.jsonl \\
+    python tools/sweep.py --data build/tiny_target/regen_t0.jsonl build/tiny_target/regen_t1.jsonl \\
         --steps 300 --out build/tiny_target/sweep [--variants baseline,dpace,lk] [--set train.compile=false ...]
 
 Every variant is `examples/tiny_target/drafter.yaml` plus its own overrides (VARIANTS below; `a+b` takes both a's and
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
+TINY_TARGET = Path(__file__).resolve().parents[1] / "examples" / "tiny_target"
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "baseline": ("drafter.yaml: 3 layers on target layers 1-5, 128 anchors, CE, exp(-(k-1)/7)", []),
     "dpace": ("D-PACE position weights (alpha 0.5)", ["recipe.loss_weighting=dpace"]),
@@ -74,7 +74,9 @@ def variant(name: str) -> tuple[str, list[str]]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("build/tiny_target/sweep"))
-    p.add_argument("--config", type=Path, default=HERE / "drafter.yaml", help="the recipe every variant starts from")
+    p.add_argument(
+        "--config", type=Path, default=TINY_TARGET / "drafter.yaml", help="the recipe every variant starts from"
+    )
     p.add_argument("--target", default="bundled", help="target directory, or 'bundled' (default)")
     p.add_argument("--data", nargs="+", default=None, help="training JSONL (default: the config's data.train)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per variant (the same for all)")

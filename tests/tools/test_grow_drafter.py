@@ -1,4 +1,4 @@
-"""examples/tiny_target/grow_drafter.py: a grown drafter drafts exactly what the original does, every new weight
+"""tools/grow_drafter.py: a grown drafter drafts exactly what the original does, every new weight
 gets a gradient from the first step, it saves and loads as a drafter of its new size, and bad sizes are refused."""
 
 import pytest
@@ -6,11 +6,11 @@ import torch
 
 from flashdraft import bundled
 from flashdraft.drafter import DFlashDraftModel
-from tests.examples.scripts import load_script
+from tests.scripts import TOOLS, load_script
 
 
 def load_grow():
-    return load_script("grow_drafter")
+    return load_script(TOOLS / "grow_drafter.py")
 
 
 @pytest.fixture(scope="module")

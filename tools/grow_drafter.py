@@ -1,6 +1,6 @@
 """Grow a trained DFlash drafter: more layers and/or wider MLPs that start as the same function, to fine-tune.
 
-    python examples/tiny_target/grow_drafter.py --drafter flashdraft/bundled/drafter --out build/tiny_target/grown \\
+    python tools/grow_drafter.py --drafter flashdraft/bundled/drafter --out build/tiny_target/grown \\
         --intermediate-size 1280 [--extra-layers 2]
     flashdraft train --config examples/tiny_target/drafter.yaml target.path=bundled \\
         drafter.init_from=build/tiny_target/grown [drafter.num_layers=5] ...

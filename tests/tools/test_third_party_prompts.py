@@ -1,17 +1,18 @@
-"""examples/tiny_target/third_party_prompts.py on a made-up site-packages: one window per package, tests,
+"""tools/third_party_prompts.py on a made-up site-packages: one window per package, tests,
 vendored code and flashdraft skipped, the same set for the same seed, a clear stop when there are too few."""
 
 import json
+import sys
 
 import pytest
 
-from tests.examples.scripts import TINY_TARGET, load_script
+from tests.scripts import TOOLS, load_script
 
 
 @pytest.fixture
 def script(monkeypatch):
-    monkeypatch.syspath_prepend(str(TINY_TARGET))  # the script imports corpus.py from its own folder
-    return load_script("third_party_prompts")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts examples/tiny_target/ (corpus.py) on it
+    return load_script(TOOLS / "third_party_prompts.py")
 
 
 def code(name: str, lines: int = 60) -> str:

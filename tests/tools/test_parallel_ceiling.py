@@ -1,4 +1,4 @@
-"""examples/tiny_target/parallel_ceiling.py: the Monte Carlo acceptance of drafts drawn from the target's marginals,
+"""tools/parallel_ceiling.py: the Monte Carlo acceptance of drafts drawn from the target's marginals,
 against the exact value enumerated over every block on a target with a 5-token vocabulary whose next-token
 distributions depend strongly on the tokens before them; and the script end to end on the bundled target."""
 
@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from flashdraft.target.tiny import build_tiny_target
-from tests.examples.scripts import load_script
+from tests.scripts import TOOLS, load_script
 
 VOCAB, DRAFTS = 5, 3
 
 
 @pytest.fixture(scope="module")
 def ceiling():
-    return load_script("parallel_ceiling")
+    return load_script(TOOLS / "parallel_ceiling.py")
 
 
 @pytest.fixture(scope="module")

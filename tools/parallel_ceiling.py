@@ -1,6 +1,6 @@
 """How far sampling lets a block-parallel drafter go: τ when every block position is drafted from its exact marginal.
 
-    python examples/tiny_target/parallel_ceiling.py --limit 64 --samples 1024 --json ceiling.json
+    python tools/parallel_ceiling.py --limit 64 --samples 1024 --json ceiling.json
 
 A DFlash drafter fills a block in one forward and draws each position k from its own distribution q_k, independently
 of the other drafts, while the target's distribution at position k depends on the k - 1 tokens before it. At
@@ -26,8 +26,6 @@ import sys
 from pathlib import Path
 
 import torch
-
-HERE = Path(__file__).resolve().parent
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""examples/tiny_target/sweep.py end to end at the smallest size on the CPU: two variants trained from the same
+"""tools/sweep.py end to end at the smallest size on the CPU: two variants trained from the same
 seed on the bundled data, decoded beside prompt lookup, the JSON, table and plot written; the deadline skips; a
 failing variant is reported and the others go on; a bad variant name stops before anything trains."""
 
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from flashdraft import bundled
-from tests.examples.scripts import load_script
+from tests.scripts import TOOLS, load_script
 
 PLOT = importlib.util.find_spec("matplotlib") is not None
 
 
 def load_sweep():
-    return load_script("sweep")
+    return load_script(TOOLS / "sweep.py")
 
 
 TINY = [

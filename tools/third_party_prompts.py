@@ -1,13 +1,14 @@
 """Held-out prompts from code the bundled target and drafter never saw: installed third-party packages.
 
-    python examples/tiny_target/third_party_prompts.py --out build/tiny_target/third_party_prompts.jsonl
+    python tools/third_party_prompts.py --out build/tiny_target/third_party_prompts.jsonl
     flashdraft eval --prompts build/tiny_target/third_party_prompts.jsonl --max-new-tokens 128
 
 The target, its drafter and the package's own held-out prompts all come from the Python standard library
-(corpus.py). This set is a check on text nobody tuned for: one code window from each of `--count` packages drawn
-from the installed site-packages (a seeded draw, so each machine gets its own set, and the same one every time),
-skipping tests, vendored copies and flashdraft itself. Other projects' code repeats itself more than the standard
-library does, so prompt lookup is stronger there; compare methods on the same set, never across sets.
+(examples/tiny_target/corpus.py). This set is a check on text nobody tuned for: one code window from each of
+`--count` packages drawn from the installed site-packages (a seeded draw, so each machine gets its own set, and the
+same one every time), skipping tests, vendored copies and flashdraft itself. Other projects' code repeats itself
+more than the standard library does, so prompt lookup is stronger there; compare methods on the same set, never
+across sets.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from corpus import code_windows
+# The windows are cut as the bundled target's corpus stage cuts its prompts: examples/tiny_target/corpus.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "tiny_target"))
+from corpus import code_windows  # noqa: E402
 
 SKIPPED_PARTS = {"test", "tests", "testing", "_vendor", "vendor", "vendored", "__pycache__", "examples", "docs"}
 SKIPPED_PACKAGES = {"flashdraft", "pip", "setuptools", "_distutils_hack", "pkg_resources"}
