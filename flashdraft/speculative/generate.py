@@ -71,8 +71,11 @@ class DFlashProposer:
     refine: draft the block in several passes. Each entry is how many drafts are fixed after a pass (ascending):
     (3,) keeps the first 3 drafts of the first pass, writes them into the block in place of their MASKs and drafts
     the rest again, now conditioned on them; (1, 3, 7) takes four passes. A drafter learns to use such tokens from
-    `recipe.reveal`. Each pass is one more drafter forward over the block only (the context is cached); the drafts
-    of a pass are still drawn independently of each other, so verification stays exact.
+    `recipe.reveal`. Each pass is one more drafter forward over the block only (the context is cached).
+
+    A drafter of any family (`flashdraft.drafter.families`): a DSpark drafter's anchor slot drafts too, and its
+    Markov head chains the drafts of a pass left to right, each drawn from q given the drafts before it; the
+    returned distributions are those q, which is what verification must check against to stay exact.
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class DFlashProposer:
         self.refine = validate_refine(refine, block_size)
         self.feature_layers = list(drafter.target_layer_ids)
         self.mask_token_id = int(drafter.mask_token_id)
+        self.start = 1 - drafter.draft_offset  # the block slot of the first draft
         self.dtype = next(drafter.parameters()).dtype
         # Context K/V are per-position projections of features, so a cache of them is exact; only the block's
         # K/V (appended by each draft) are cropped away again.
@@ -112,7 +116,7 @@ class DFlashProposer:
         # Always draft the full trained block, even when fewer drafts are wanted near max_new_tokens.
         block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=tokens.device)
         block[0, 0] = tokens[-1]
-        temperature, top_p, top_k = self.sampling
+        temperature = self.sampling[0]
         drafts, probs, fixed = [], [], 0
         for keep in (*[k for k in self.refine if k < num_drafts], num_drafts):
             positions = torch.arange(anchor - context.shape[1], anchor + self.block_size, device=tokens.device)[None]
@@ -125,15 +129,35 @@ class DFlashProposer:
             )
             rollback.crop_kv(self.cache, anchor)
             self.cached, context = anchor, context[:, :0]  # later passes: the context is all in the cache
-            logits = self.drafter.compute_logits(hidden[0, 1 + fixed : 1 + keep], self.lm_head)
-            if temperature <= 0:
-                drafts.append(logits.argmax(dim=-1))
+            # Draft d (the token d + 1 after the anchor) comes from block slot d + 1 - offset.
+            slots = hidden[0, self.start + fixed : self.start + keep]
+            if self.drafter.markov_head is not None:  # left to right, each after the token drafted before it
+                pass_drafts, pass_probs = self._walk(slots, block[0, fixed])
+                drafts.append(pass_drafts)
+                probs += pass_probs
+            elif temperature <= 0:
+                drafts.append(self.drafter.compute_logits(slots, self.lm_head).argmax(dim=-1))
             else:
-                probs.append(sampling_probs(logits, temperature, top_p, top_k))
+                probs.append(sampling_probs(self.drafter.compute_logits(slots, self.lm_head), *self.sampling))
                 drafts.append(sample(probs[-1], self.generator))
-            block[0, 1 + fixed : 1 + keep] = drafts[-1]
+            if keep < num_drafts:
+                block[0, 1 + fixed : 1 + keep] = drafts[-1]
             fixed = keep
         return torch.cat(drafts), torch.cat(probs) if probs else None
+
+    def _walk(self, slots: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The drafts of `slots` after the token `first`, chained through the drafter's Markov head; when sampling,
+        each drawn from q given the drafts before it, which is what verification must read."""
+        probs = []
+
+        def pick(k: int, logits: torch.Tensor) -> torch.Tensor:
+            if self.sampling[0] <= 0:
+                return logits.argmax()
+            probs.append(sampling_probs(logits, *self.sampling)[None])
+            return sample(probs[-1], self.generator)[0]
+
+        drafts, _ = self.drafter.walk(slots, self.lm_head, first, pick)
+        return drafts, probs
 
 
 def validate_refine(refine, block_size: int) -> tuple[int, ...]:
@@ -329,6 +353,8 @@ def generate(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     common = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator)
     refine = validate_refine(refine, block_size) if refine else ()
+    if refine and getattr(drafter, "markov_head", None) is not None:
+        raise ValueError("drafting in passes (refine) needs a drafter without a Markov head: DSpark chains its drafts")
     if use_engine(target, engine, drafter if block_size > 1 else None, refine, temperature):
         drafter = drafter if block_size > 1 else None
         return engine_session.engine_decode(
@@ -347,7 +373,7 @@ def generate(
         input_ids,
         proposer if block_size > 1 else None,
         max_new_tokens,
-        num_drafts=block_size - 1,
+        num_drafts=block_size - 1 + drafter.draft_offset,
         max_deferred=max_deferred,
         verify=verify,
         **common,

@@ -88,6 +88,23 @@ def next_token(
     return sample(sampling_probs(logits, temperature, top_p, top_k), generator)
 
 
+def gumbel_noise(shape, generator: torch.Generator | None, device) -> torch.Tensor:
+    """Gumbel(0, 1) noise: argmax(log q + noise) is an exact draw from q. Drawn before a captured step, so that the
+    step itself holds no random state (`gumbel_pick`)."""
+    uniform = torch.rand(shape, generator=generator, device=device)
+    return -torch.log(-torch.log(uniform))
+
+
+def gumbel_pick(logits: torch.Tensor, sampling: tuple[float, float, int], noise: torch.Tensor | None):
+    """One token from `logits` (V,): the argmax when `noise` is None (greedy), else a draw from
+    `sampling_probs(logits, *sampling)` made with the pre-drawn `noise` (V,). Returns (token (1,), q or None).
+    Device operations only: it runs inside CUDA graphs."""
+    if noise is None:
+        return logits.argmax(dim=-1, keepdim=True), None
+    probs = sampling_probs(logits, *sampling)
+    return (probs.log() + noise).argmax(dim=-1, keepdim=True), probs
+
+
 VERIFY_METHODS = ("block", "token")
 
 

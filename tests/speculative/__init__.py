@@ -100,15 +100,25 @@ def ready(*targets, exact: bool = True):
             fastpath.disable(target)
 
 
-def random_drafter(target, block_size: int = 16, num_layers: int = 1, seed: int = 0):
-    """A randomly initialised DFlash drafter for `target`, in the target's dtype."""
+def random_drafter(target, block_size: int = 16, num_layers: int = 1, seed: int = 0, family: str = "dflash", **fields):
+    """A randomly initialised drafter of `family` for `target`, in the target's dtype. A DSpark drafter's Markov
+    head is scaled up so that its bias changes what it drafts (a freshly initialised one adds almost nothing)."""
     from flashdraft.drafter import DFlashDraftModel
 
     torch.manual_seed(seed)
     mask = target.config.vocab_size - 1
     drafter = DFlashDraftModel.from_target(
-        target.config, num_layers=num_layers, block_size=block_size, mask_token_id=mask
+        target.config,
+        num_layers=num_layers,
+        block_size=block_size,
+        mask_token_id=mask,
+        family=family,
+        family_fields={"markov_rank": 8, **fields} if family == "dspark" else None,
     )
+    if drafter.markov_head is not None:
+        with torch.no_grad():
+            drafter.markov_head.markov_w1.weight.mul_(40)
+            drafter.markov_head.markov_w2.weight.mul_(40)
     return drafter.to(next(target.parameters()).dtype).eval()
 
 
@@ -124,6 +134,7 @@ class ScriptedDrafter(torch.nn.Module):
         super().__init__()
         self.script, self.vocab, self.block_size, self.error_rate = list(script), vocab, block_size, error_rate
         self.mask_token_id, self.target_layer_ids = MASK % vocab, [0]
+        self.draft_offset, self.markov_head = 0, None  # a DFlash drafter's block convention, no sequential head
         self.scale = torch.nn.Parameter(torch.tensor(8.0, dtype=torch.float64), requires_grad=False)
         self.rng = torch.Generator().manual_seed(seed)
 

@@ -42,10 +42,10 @@ def setup(request):
         yield target, drafter, cases
 
 
-def _check_stats(result, block_size):
+def _check_stats(result, block_size, offset=0):
     assert sum(result.acceptance_lengths) + 1 == len(result.tokens)
-    assert all(1 <= a <= block_size for a in result.acceptance_lengths)
-    assert len(result.position_accepted) == block_size - 1
+    assert all(1 <= a <= block_size + offset for a in result.acceptance_lengths)
+    assert len(result.position_accepted) == block_size - 1 + offset
     assert all(0 <= a <= o for a, o in zip(result.position_accepted, result.position_offered, strict=True))
     # Acceptance is a prefix: position k + 1 is accepted only when position k was.
     assert all(a >= b for a, b in zip(result.position_accepted, result.position_accepted[1:], strict=False))
@@ -60,6 +60,19 @@ def test_greedy_equals_target_greedy_with_a_random_drafter(setup):
             result = generate(target, drafter, prompt, max_new, block_size=block_size)
             assert result.tokens == expected, f"prompt {i} (length {prompt.shape[1]}), block size {block_size}"
             _check_stats(result, block_size)
+
+
+@pytest.mark.parametrize("anchor_drafts", [True, False])
+def test_greedy_dspark_equals_target_greedy(setup, anchor_drafts):
+    """A DSpark drafter (its Markov head strong enough to change its drafts), in both block conventions."""
+    target, _, cases = setup
+    drafter = random_drafter(target, block_size=16, seed=14, family="dspark", sample_from_anchor=anchor_drafts)
+    with ready(target):
+        for i, (prompt, max_new, expected) in enumerate(cases[:8]):
+            block_size = BLOCK_SIZES[i % len(BLOCK_SIZES)]
+            result = generate(target, drafter, prompt, max_new, block_size=block_size)
+            assert result.tokens == expected, f"prompt {i} (length {prompt.shape[1]}), block size {block_size}"
+            _check_stats(result, block_size, offset=int(anchor_drafts))
 
 
 @pytest.mark.parametrize("block_size,error_rate", [(4, 0.3), (16, 0.08)])

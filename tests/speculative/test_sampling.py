@@ -406,35 +406,73 @@ def _exact_joint_of_tokens_2_and_3(target, temperature, top_p, top_k) -> torch.T
 CASES = {
     # hybrid target, DFlash; max_new_tokens 4 puts x2 and x3 in one verified block (accept/accept,
     # accept/correct, correct then a second speculative round)
-    "dflash-hybrid": ("qwen3_5", 4, 1.0, 1.0, 0, (), "block"),
+    "dflash-hybrid": ("qwen3_5", 4, 1.0, 1.0, 0, (), "block", "dflash"),
     # the same, verified token by token
-    "dflash-hybrid-token": ("qwen3_5", 4, 1.0, 1.0, 0, (), "token"),
+    "dflash-hybrid-token": ("qwen3_5", 4, 1.0, 1.0, 0, (), "token", "dflash"),
     # plain target, DFlash with top-k/top-p; max_new_tokens 3: x3 is the bonus token after an accepted x2
-    "dflash-plain-filtered": ("qwen3", 3, 0.8, 0.9, 6, (), "block"),
+    "dflash-plain-filtered": ("qwen3", 3, 0.8, 0.9, 6, (), "block", "dflash"),
     # hybrid target, the block drafted in two passes: x2's draft is drawn given x1's
-    "dflash-hybrid-refined": ("qwen3_5", 4, 1.0, 1.0, 0, (1,), "block"),
+    "dflash-hybrid-refined": ("qwen3_5", 4, 1.0, 1.0, 0, (1,), "block", "dflash"),
+    # hybrid target, DSpark: the anchor's slot drafts x2 (a block of 3 drafts 3), each draft chained on the one
+    # before it through the Markov head, in both verification rules
+    "dspark-hybrid": ("qwen3_5", 4, 1.0, 1.0, 0, (), "block", "dspark"),
+    "dspark-hybrid-token": ("qwen3_5", 4, 1.0, 1.0, 0, (), "token", "dspark"),
+    # plain target, DSpark in DFlash's block convention, with top-k/top-p
+    "dspark-plain-filtered": ("qwen3", 3, 0.8, 0.9, 6, (), "block", "dspark-dflash-slots"),
+}
+DRAFTERS = {
+    "dflash": {},
+    "dspark": {"family": "dspark"},
+    "dspark-dflash-slots": {"family": "dspark", "sample_from_anchor": False},
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_equals_target_distribution(case):
-    family, max_new, temperature, top_p, top_k, refine, verify = CASES[case]
+    pvalue, accepted_any, trials = _sample_tokens_2_and_3(*CASES[case])
+    print(f"\n{case}: p-value {pvalue:.3g}; runs with an accepted draft: {accepted_any}/{trials}")
+    assert pvalue > P_MIN
+    assert 0.05 * trials < accepted_any < 0.95 * trials  # both acceptance and rejection were exercised
+
+
+def test_a_dspark_proposal_read_without_its_markov_bias_is_detected(monkeypatch):
+    """The check above can fail: verifying DSpark's chained drafts against the backbone's own distributions (what
+    its drafts were not drawn from) gives the wrong output distribution, and the test sees it."""
+    from flashdraft.speculative.generate import DFlashProposer
+
+    walk = DFlashProposer._walk
+
+    def walk_read_without_bias(self, slots, first):
+        drafts, _ = walk(self, slots, first)
+        backbone = sampling_probs(self.drafter.compute_logits(slots, self.lm_head), *self.sampling)
+        return drafts, [row[None] for row in backbone]
+
+    monkeypatch.setattr(DFlashProposer, "_walk", walk_read_without_bias)
+    pvalue, _, _ = _sample_tokens_2_and_3(*CASES["dspark-hybrid-token"])
+    assert pvalue < P_MIN, f"a wrong proposal distribution went undetected (p-value {pvalue:.3g})"
+
+
+def _sample_tokens_2_and_3(
+    family, max_new, temperature, top_p, top_k, refine, verify, drafter="dflash", device="cpu", engine=False
+):
+    """(chi-square p-value of the sampled (x2, x3) against the target's exact joint, runs with an accepted draft,
+    trials) of speculative sampling with a random drafter; `engine`: through flashdraft's engine on `device`."""
     # float32 and transformers' own torch delta rule: sampling exactness does not need float64.
-    target = tiny_target(family, num_layers=4, vocab_size=VOCAB8, seed=3, dtype=torch.float32)
+    target = tiny_target(family, num_layers=4, vocab_size=VOCAB8, seed=3, dtype=torch.float32).to(device)
     with torch.no_grad():  # peaked distributions, so that drafts are often rejected and corrections matter
         target.get_output_embeddings().weight.mul_(30)
-    drafter = random_drafter(target, block_size=3, seed=4)
+    drafter = random_drafter(target, block_size=3, seed=4, **DRAFTERS[drafter]).to(device)
     trials = 1500
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator(device=device).manual_seed(5)
     counts = torch.zeros(VOCAB8, VOCAB8)
     accepted_any = 0
     with ready(target):
-        expected = _exact_joint_of_tokens_2_and_3(target, temperature, top_p, top_k)
+        expected = _exact_joint_of_tokens_2_and_3(target, temperature, top_p, top_k).cpu()
         for _ in range(trials):
             r = generate(
                 target,
                 drafter,
-                PROMPT,
+                PROMPT.to(device),
                 max_new,
                 temperature,
                 top_p,
@@ -443,10 +481,8 @@ def test_speculative_sampling_equals_target_distribution(case):
                 generator=g,
                 refine=refine,
                 verify=verify,
+                engine=engine,
             )
             counts[r.tokens[1], r.tokens[2]] += 1
             accepted_any += any(a > 1 for a in r.acceptance_lengths)
-    pvalue = chi_square_pvalue(counts, expected)
-    print(f"\n{case}: p-value {pvalue:.3g}; runs with an accepted draft: {accepted_any}/{trials}")
-    assert pvalue > P_MIN
-    assert 0.05 * trials < accepted_any < 0.95 * trials  # both acceptance and rejection were exercised
+    return chi_square_pvalue(counts, expected), accepted_any, trials

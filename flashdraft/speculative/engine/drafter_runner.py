@@ -9,9 +9,15 @@
 
 Same arithmetic as `DFlashDraftModel.forward` with a cache (tests compare them): context features go through
 `fc` + `hidden_norm` once, their keys/values are cached per layer; the block `[last token, MASK...]` attends to
-the cached context and to itself. Static shapes: each draft writes the K/V of all `bs` rows of the engine's
-feature buffer at slots `context ..`, of which only `pending` are valid; the block's own K/V go into the slots
-right after the valid context, where its positions are — rows past the context are masked and overwritten later.
+the cached context and to itself. Static shapes: each draft writes the K/V of all rows of the engine's feature
+buffer (one per verified token) at slots `context ..`, of which only `pending` are valid; the block's own K/V go
+into the slots right after the valid context, where its positions are — rows past the context are masked and
+overwritten later.
+
+A drafter with a Markov head (DSpark) picks its drafts left to right inside the same step (`DFlashDraftModel.walk`):
+greedily, or, when sampling, each drawn from q given the drafts before it with Gumbel noise drawn before the step
+(`sampling.gumbel_pick`), its q kept in `probs` for verification. Its anchor slot drafts too: a block of bs then
+gives bs drafts, and the engine verifies bs + 1 tokens.
 """
 
 from __future__ import annotations
@@ -22,24 +28,36 @@ from flashdraft.drafter.model import _rotate
 from flashdraft.speculative.engine import ops
 from flashdraft.speculative.engine.graphs import Step, capture_all
 from flashdraft.speculative.engine.target_runner import TargetEngine
+from flashdraft.speculative.sampling import gumbel_noise, gumbel_pick, validate_sampling
 
 
 class DrafterRunner:
     """Drafts blocks of `engine.block_size` tokens for the target `engine` runs (see the module docstring)."""
 
-    def __init__(self, drafter: torch.nn.Module, engine: TargetEngine):
+    def __init__(
+        self,
+        drafter: torch.nn.Module,
+        engine: TargetEngine,
+        sampling: tuple[float, float, int] = (0.0, 1.0, 0),
+        generator: torch.Generator | None = None,
+    ):
         if list(drafter.target_layer_ids) != engine.feature_layers:
             raise ValueError(
                 f"drafter reads target layers {list(drafter.target_layer_ids)}, the engine keeps {engine.feature_layers}"
             )
+        validate_sampling(*sampling)
         self.drafter, self.engine = drafter, engine
         self.embed = engine.inner.embed_tokens
         first = next(drafter.parameters())
         self.device, self.dtype = first.device, first.dtype
         if self.device != engine.device:
             raise ValueError(f"drafter on {self.device}, target on {engine.device}")
-        bs = engine.block_size
-        self.block_size = bs
+        # The engine verifies the anchor and every draft; a block one shorter when the anchor's slot drafts too.
+        self.offset = drafter.draft_offset
+        self.num_drafts = engine.block_size - 1
+        bs = self.block_size = engine.block_size - self.offset
+        if bs < 1:
+            raise ValueError(f"the engine verifies {engine.block_size} tokens: no room for a block")
         self.slots = ops.attention_slots(engine.slots + bs)
         self.layers = list(drafter.layers)
         self.norms = {id(m): ops.Norm(m) for m in drafter.modules() if "RMSNorm" in type(m).__name__}
@@ -55,14 +73,21 @@ class DrafterRunner:
             )
         self.cos, self.sin = ops.rope_table(drafter.rotary_emb, self.slots, self.dtype, self.device)
         self.slot_index = torch.arange(self.slots, device=self.device)
-        self.block_index = torch.arange(bs, device=self.device)
+        self.block_index = torch.arange(max(bs, engine.block_size), device=self.device)
         vocab = engine.lm_head.out_features
         # Tokens whose features are in the cache; verified tokens whose features wait in engine.features.
         self.context = torch.zeros((), dtype=torch.long, device=self.device)
         self.pending = torch.zeros((), dtype=torch.long, device=self.device)
         self.block_ids = torch.full((bs,), int(drafter.mask_token_id), dtype=torch.long, device=self.device)
-        self.logits = torch.zeros(bs - 1, vocab, dtype=self.dtype, device=self.device)
-        self.drafts = torch.zeros(bs - 1, dtype=torch.long, device=self.device)
+        self.logits = torch.zeros(self.num_drafts, vocab, dtype=self.dtype, device=self.device)
+        self.drafts = torch.zeros(self.num_drafts, dtype=torch.long, device=self.device)
+        # Drafts chained through a Markov head, sampled inside the step: their q, and the noise of their draws.
+        self.chained = getattr(drafter, "markov_head", None) is not None
+        self.sampling, self.generator = sampling, generator
+        sampled = self.chained and sampling[0] > 0
+        probs_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        self.probs = torch.zeros(self.num_drafts, vocab, dtype=probs_dtype, device=self.device) if sampled else None
+        self.noise = torch.zeros(self.num_drafts, vocab, device=self.device) if sampled else None
         self.mask_token_id = int(drafter.mask_token_id)
         self.refine: tuple[int, ...] = ()
         self.step = Step(self._draft, "draft")
@@ -93,6 +118,8 @@ class DrafterRunner:
         block in place of their MASKs and the step runs again (nothing is pending then, so it redrafts the block
         over the cached context). Only device operations: it can be enqueued before the host reads anything. Then
         `logits` holds the last pass's, which are not the kept drafts' own."""
+        if self.noise is not None:
+            self.noise.copy_(gumbel_noise(self.noise.shape, self.generator, self.device))
         self.step()
         fixed = 0
         for keep in self.refine:
@@ -117,7 +144,7 @@ class DrafterRunner:
         context = self._norm(drafter.hidden_norm, drafter.fc(features.to(self.dtype)))
         context_positions = self.context + self.block_index[: features.shape[0]]
         anchor = self.context + self.pending
-        positions = anchor + self.block_index
+        positions = anchor + self.block_index[:bs]
         cos, sin = self.cos[positions][None], self.sin[positions][None]
         hidden = self.embed(self.block_ids).to(self.dtype)
         for layer, cache in zip(self.layers, self.kv, strict=True):
@@ -132,12 +159,22 @@ class DrafterRunner:
             visible = self._visible(attn, positions)
             hidden = hidden + attn.o_proj(ops.cached_attention(query, cache[0], cache[1], visible, attn.scaling))
             hidden = hidden + layer.mlp(self._norm(layer.post_attention_layernorm, hidden))
-        hidden = self._norm(drafter.norm, hidden)
-        logits = drafter.compute_logits(hidden[1:], self.engine.lm_head)
+        slots = self._norm(drafter.norm, hidden)[1 - self.offset :]
+        if self.chained:
+            drafts, logits = drafter.walk(slots, self.engine.lm_head, self.block_ids[0], self._pick)
+        else:
+            logits = drafter.compute_logits(slots, self.engine.lm_head)
+            drafts = logits.argmax(dim=-1)
         self.logits.copy_(logits)
-        self.drafts.copy_(logits.argmax(dim=-1))
+        self.drafts.copy_(drafts)
         self.context.copy_(anchor)
         self.pending.zero_()
+
+    def _pick(self, k: int, logits: torch.Tensor) -> torch.Tensor:
+        token, probs = gumbel_pick(logits, self.sampling, None if self.noise is None else self.noise[k])
+        if probs is not None:
+            self.probs[k].copy_(probs)
+        return token[0]
 
     def _norm(self, module, x):
         return self.norms[id(module)](x)

@@ -28,7 +28,7 @@ from flashdraft.speculative.engine import ops
 from flashdraft.speculative.engine.graphs import Step, capture_all
 from flashdraft.speculative.engine.mixers import attention
 from flashdraft.speculative.engine.target_runner import TargetEngine
-from flashdraft.speculative.sampling import sampling_probs, validate_sampling
+from flashdraft.speculative.sampling import gumbel_noise, gumbel_pick, validate_sampling
 
 
 class MTPRunner:
@@ -112,8 +112,7 @@ class MTPRunner:
     def draft(self) -> None:
         """Add the pending positions, then draft the chain after `block_ids[0]`: `drafts`, `logits` (and `probs`)."""
         if self.noise is not None:
-            uniform = torch.rand(self.noise.shape, generator=self.generator, device=self.device)
-            self.noise.copy_(-torch.log(-torch.log(uniform)))  # Gumbel(0, 1)
+            self.noise.copy_(gumbel_noise(self.noise.shape, self.generator, self.device))
         self.step()
 
     @torch.inference_mode()
@@ -144,11 +143,10 @@ class MTPRunner:
 
     def _pick(self, j: int, logits: torch.Tensor) -> torch.Tensor:
         self.logits[j].copy_(logits)
-        if self.probs is None:
-            return logits.argmax(dim=-1, keepdim=True)
-        probs = sampling_probs(logits, *self.sampling)
-        self.probs[j].copy_(probs)
-        return (probs.log() + self.noise[j]).argmax(dim=-1, keepdim=True)
+        token, probs = gumbel_pick(logits, self.sampling, None if self.noise is None else self.noise[j])
+        if probs is not None:
+            self.probs[j].copy_(probs)
+        return token
 
     def _draft(self) -> None:
         positions = self.context + self.block_index

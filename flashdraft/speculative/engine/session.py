@@ -47,7 +47,7 @@ class Session:
 
     def __init__(self, engine: TargetEngine, graphs: bool):
         self.engine, self.graphs = engine, graphs
-        self.runners: dict[int, DrafterRunner] = {}
+        self.runners: dict[tuple, DrafterRunner] = {}
         self.mtp_runners: dict[tuple, MTPRunner] = {}
         # Why a capture failed (the steps then run eagerly: slower, same results); None if none did.
         self.capture_error: str | None = None
@@ -82,14 +82,18 @@ class Session:
     def captured(self) -> bool:
         return self.engine.captured and all(r.step.graph is not None for r in self._all_runners())
 
-    def runner(self, drafter: torch.nn.Module) -> DrafterRunner:
-        key = id(drafter)
+    def runner(self, drafter: torch.nn.Module, sampling=(0.0, 1.0, 0), generator=None) -> DrafterRunner:
+        """The runner of `drafter`; one that chains its drafts (a Markov head) draws them inside its graph, which
+        then bakes in the sampling settings."""
+        chained = getattr(drafter, "markov_head", None) is not None
+        key = (id(drafter), tuple(sampling) if chained else None)
         runner = self.runners.get(key)
         if runner is None or runner.drafter is not drafter:
-            runner = DrafterRunner(drafter, self.engine)
+            runner = DrafterRunner(drafter, self.engine, sampling if chained else (0.0, 1.0, 0), generator)
             if self.graphs and self.capture_error is None:
                 self._capture(runner)
             self.runners[key] = runner
+        runner.generator = generator
         return runner
 
     def mtp_runner(self, head: torch.nn.Module, num_drafts: int, sampling, generator) -> MTPRunner:
@@ -159,10 +163,16 @@ def prepare(
     """Build (and capture) the session that decoding up to `max_len` tokens will use, ahead of timed runs."""
     graphs = next(target.parameters()).device.type == "cuda" if graphs is None else graphs
     layers = list(drafter.target_layer_ids) if drafter is not None else None
-    sess = session(target, max_len, block_size, layers, graphs)
+    sess = session(target, max_len, verify_width(block_size, drafter), layers, graphs)
     if drafter is not None:
         sess.runner(drafter)
     return sess
+
+
+def verify_width(block_size: int, drafter: torch.nn.Module | None) -> int:
+    """Tokens a verification holds for a drafter block of `block_size`: the anchor and every draft (a DSpark
+    drafter's anchor slot drafts too: one more)."""
+    return block_size + (getattr(drafter, "draft_offset", 0) if drafter is not None else 0)
 
 
 def engine_available(target: torch.nn.Module) -> str | None:
@@ -203,7 +213,7 @@ def engine_decode(
     verified (`flashdraft.speculative.sampling`)."""
     validate_request(input_ids, max_new_tokens, temperature, top_p, top_k)
     validate_verify(verify)
-    if refine and (drafter is None or temperature > 0):
+    if refine and (drafter is None or temperature > 0 or getattr(drafter, "markov_head", None) is not None):
         raise ValueError("the engine drafts in passes (refine) only with a DFlash drafter at temperature 0")
     if sum(x is not None for x in (drafter, lookup, mtp)) > 1:
         raise ValueError("give one of a drafter, a lookup proposer and an MTP head")
@@ -216,18 +226,19 @@ def engine_decode(
     if max_new_tokens == 0:
         return result
     speculative = drafter is not None or lookup is not None or mtp is not None
+    width = verify_width(block_size, drafter)
     if mtp is not None:
         num_drafts = 3 if num_drafts is None else num_drafts
         if not 1 <= num_drafts < block_size:
             raise ValueError(f"num_drafts must be in [1, {block_size - 1}] (block_size - 1), got {num_drafts}")
     else:
-        num_drafts = block_size - 1 if speculative else 0
+        num_drafts = width - 1 if speculative else 0
     result.position_accepted, result.position_offered = [0] * num_drafts, [0] * num_drafts
     layers = list(drafter.target_layer_ids) if drafter is not None else None
-    sess = session(target, prompt.shape[0] + max_new_tokens, block_size if speculative else None, layers, graphs)
+    sess = session(target, prompt.shape[0] + max_new_tokens, width if speculative else None, layers, graphs)
     engine = sess.engine
     sampling = (temperature, top_p, top_k)
-    runner = sess.runner(drafter) if drafter is not None else None
+    runner = sess.runner(drafter, sampling, generator) if drafter is not None else None
     if runner is not None:
         runner.refine = tuple(refine)
     if mtp is not None:
@@ -256,7 +267,7 @@ def engine_decode(
         if want > 0 and runner is not None:
             if not drafted:
                 runner.draft()
-            if temperature > 0 and mtp is not None:  # drawn inside the MTP step: each draft feeds the next
+            if temperature > 0 and runner.probs is not None:  # drawn inside the step: each draft feeds the next
                 drafts, draft_probs = runner.drafts[:want], runner.probs[:want]
             elif temperature > 0:
                 draft_probs = sampling_probs(runner.logits[:want], *sampling)

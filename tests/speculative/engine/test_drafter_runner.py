@@ -74,3 +74,41 @@ def test_drafter_must_read_the_engine_features():
     engine = TargetEngine(target, max_len=16, block_size=4, feature_layers=[2])
     with pytest.raises(ValueError, match="target layers"):
         DrafterRunner(drafter.to(torch.float64), engine)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("anchor_drafts", [True, False])
+@torch.inference_mode()
+def test_a_dspark_runner_walks_what_the_plain_loop_walks(anchor_drafts, config):
+    """A DSpark drafter's runner: its drafts and logits are the drafter's own walk over `forward`'s block (the
+    anchor slot drafting too, or not), greedy; the engine verifies one token more when the anchor slot drafts."""
+    from .. import random_drafter
+
+    device, dtype, graphs = config
+    target = tiny_target("qwen3_5", seed=5, dtype=dtype).to(device)
+    bs = 5
+    drafter = random_drafter(target, block_size=bs, seed=6, family="dspark", sample_from_anchor=anchor_drafts)
+    drafter = drafter.to(device)
+    layers = list(drafter.target_layer_ids)
+    engine = TargetEngine(target, max_len=64, block_size=bs + int(anchor_drafts), feature_layers=layers)
+    runner = DrafterRunner(drafter, engine)
+    if graphs:
+        runner.capture()
+    g = torch.Generator().manual_seed(7)
+    features = torch.randn(20, len(layers) * target.config.hidden_size, generator=g, dtype=dtype).to(device)
+    runner.prefill(features)
+    runner.block_ids[0] = 17
+    runner.draft()
+    block = torch.full((1, bs), MASK, device=device)
+    block[0, 0] = 17
+    hidden = drafter(
+        position_ids=torch.arange(20 + bs, device=device)[None],
+        noise_embedding=target.get_input_embeddings()(block),
+        target_hidden=features[None],
+    )
+    head = target.get_output_embeddings()
+    drafts, logits = drafter.walk(hidden[0, 1 - int(anchor_drafts) :], head, block[0, 0], lambda k, x: x.argmax())
+    assert torch.equal(runner.drafts, drafts)
+    atol = ATOL[dtype] * max(1.0, float(logits.abs().max()))
+    assert (runner.logits - logits).abs().max().item() <= atol
+    assert runner.drafts.shape[0] == bs - 1 + int(anchor_drafts)

@@ -9,7 +9,7 @@ from flashdraft.speculative.engine import session
 from flashdraft.speculative.engine.drafter_runner import DrafterRunner
 
 from .. import one_thread, random_drafter, ready, reference_greedy, tiny_target  # noqa: F401 (autouse fixture)
-from ..test_sampling import CASES, P_MIN, PROMPT, VOCAB8, _exact_joint_of_tokens_2_and_3, chi_square_pvalue
+from ..test_sampling import CASES, P_MIN, _sample_tokens_2_and_3
 from . import CONFIGS
 
 FAMILIES = ["qwen3_5", "qwen3"]
@@ -88,6 +88,25 @@ def test_baselines_equal_target_greedy(setup):
         assert max(prompt_lookup_generate(target, prompt, max_new, block_size=8, engine=True).acceptance_lengths) >= 3
 
 
+@pytest.mark.parametrize("anchor_drafts", [True, False])
+def test_greedy_dspark_equals_target_greedy_and_the_plain_loop(setup, anchor_drafts):
+    """A DSpark drafter over the engine: the walk inside the drafter's step, a verification one token wider when
+    the anchor's slot drafts; the same tokens as the target and (float64) the same acceptance as the plain loop."""
+    target, _, cases, device, graphs = setup
+    drafter = random_drafter(target, block_size=16, seed=14, family="dspark", sample_from_anchor=anchor_drafts)
+    drafter = drafter.to(device)
+    with ready(target):
+        for i, (prompt, max_new, expected) in enumerate(cases[:6]):
+            bs = BLOCK_SIZES[i % len(BLOCK_SIZES)]
+            result = generate(target, drafter, prompt, max_new, block_size=bs, engine=True)
+            assert result.tokens == expected, f"prompt {i} (length {prompt.shape[1]}), block size {bs}"
+            _check_stats(result, bs + int(anchor_drafts))
+            if device == "cpu":
+                plain = generate(target, drafter, prompt, max_new, block_size=bs, engine=False)
+                assert result.acceptance_lengths == plain.acceptance_lengths, f"prompt {i}"
+    session.drop_session(target)
+
+
 class ScriptedRunner(DrafterRunner):
     """Drafts a known continuation, wrong at `error_rate` (eagerly): acceptance lengths span 1 .. bs."""
 
@@ -117,7 +136,7 @@ def test_every_acceptance_length_and_stops(setup, block_size, error_rate):
             sess = session.session(
                 target, prompt.shape[1] + max_new, block_size, list(drafter.target_layer_ids), graphs
             )
-            sess.runners[id(drafter)] = ScriptedRunner(
+            sess.runners[(id(drafter), None)] = ScriptedRunner(
                 drafter, sess.engine, prompt[0].tolist() + expected, error_rate, seed=i
             )
             result = generate(target, drafter, prompt, max_new, block_size=block_size, engine=True)
@@ -192,40 +211,12 @@ def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monke
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("case", [case for case, (*_, refine, _) in CASES.items() if not refine])
+@pytest.mark.parametrize("case", [case for case, (*_, refine, _, _) in CASES.items() if not refine])
 def test_speculative_sampling_equals_target_distribution(case, config):
-    """As tests/speculative/test_sampling.py, through the engine (device-side rejection sampling, commits); the
-    engine drafts in passes only greedily."""
-    device, dtype, graphs = config
-    family, max_new, temperature, top_p, top_k, _, verify = CASES[case]
-    target = tiny_target(family, num_layers=4, vocab_size=VOCAB8, seed=3, dtype=torch.float32).to(device)
-    with torch.no_grad():
-        target.get_output_embeddings().weight.mul_(30)
-    drafter = random_drafter(target, block_size=3, seed=4).to(device)
-    trials = 1500
-    g = torch.Generator(device=device).manual_seed(5)
-    counts = torch.zeros(VOCAB8, VOCAB8)
-    accepted_any = 0
-    prompt = PROMPT.to(device)
-    with ready(target):
-        expected = _exact_joint_of_tokens_2_and_3(target, temperature, top_p, top_k).cpu()
-        for _ in range(trials):
-            r = generate(
-                target,
-                drafter,
-                prompt,
-                max_new,
-                temperature,
-                top_p,
-                top_k,
-                block_size=3,
-                generator=g,
-                engine=True,
-                verify=verify,
-            )
-            counts[r.tokens[1], r.tokens[2]] += 1
-            accepted_any += any(a > 1 for a in r.acceptance_lengths)
-    pvalue = chi_square_pvalue(counts, expected)
+    """As tests/speculative/test_sampling.py, through the engine (device-side rejection sampling, commits; DSpark's
+    drafts drawn inside the drafter's step); the engine drafts in passes only greedily."""
+    device, _, _ = config
+    pvalue, accepted_any, trials = _sample_tokens_2_and_3(*CASES[case], device=device, engine=True)
     assert pvalue > P_MIN, f"{case}: p-value {pvalue:.3g}"
     assert 0.05 * trials < accepted_any < 0.95 * trials
 
