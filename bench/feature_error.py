@@ -27,7 +27,7 @@ from bench import naive_train_step as naive
 from bench.train_step import build_target as build_random_target
 from flashdraft import bundled
 from flashdraft.fastpath import fp8
-from flashdraft.target import FrozenTarget
+from flashdraft.target import FrozenTarget, load_causal_lm
 from flashdraft.train import step_timing
 
 
@@ -75,10 +75,12 @@ def bundled_rows(device: str, rows: int, length: int) -> dict:
     layers = [1, 3, 5, 7]
     exact = torch.float64 if device == "cpu" else torch.float32
     name = str(exact).replace("torch.", "")
-    reference = FrozenTarget.from_model(bundled.build_target(exact, device), layers, strict=False)
+    reference = FrozenTarget.from_model(
+        load_causal_lm(bundled.BUNDLED, dtype=exact, device=device), layers, strict=False
+    )
     expected = reference.capture(ids)
     out = {"layers": layers, "tokens": ids.numel()}
-    target = FrozenTarget.from_model(bundled.build_target(torch.bfloat16, device), layers)
+    target = FrozenTarget.from_model(load_causal_lm(bundled.BUNDLED, dtype=torch.bfloat16, device=device), layers)
     out[f"bf16 vs {name}"] = relative_errors(target.capture(ids), expected, len(layers))
     if device == "cpu":  # the CPU's scaled matmul; FP8 on a CPU is refused by the config (no speed to gain)
         fp8.convert_linears(target.decoder.layers)

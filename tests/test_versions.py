@@ -11,7 +11,7 @@ import transformers
 from packaging.requirements import Requirement
 
 from flashdraft import versions
-from flashdraft.target.tiny import build_tiny_target
+from flashdraft.target.tiny import random_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def test_import_refuses_a_release_older_than_supported(tmp_path):
 
 
 def test_cache_keyword_of_the_installed_release():
-    model = build_tiny_target("qwen3", num_layers=2)
+    model = random_tiny_model("qwen3", num_layers=2)
     cache = transformers.DynamicCache(config=model.config)
     kwargs = versions.cache_kwargs(cache)
     renamed = versions.Version(transformers.__version__).release >= (5, 24)

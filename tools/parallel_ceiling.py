@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from flashdraft import bundled
     from flashdraft.speculative.prompts import load_prompts
-    from flashdraft.target import load_model
+    from flashdraft.target import load_causal_lm
 
     console = Console(stderr=True)
     if a.target == bundled.BUNDLED:
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(a.target)
-    target = Target(load_model(a.target, dtype=torch.float32, device="cpu").eval(), a.temperature)
+    target = Target(load_causal_lm(a.target, dtype=torch.float32, device="cpu").eval(), a.temperature)
     prompts = load_prompts(a.prompts or bundled.eval_prompts(), tokenizer, limit=a.limit)
     num_drafts = a.block_size - 1
     total = torch.zeros(num_drafts, dtype=torch.float64)

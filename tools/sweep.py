@@ -155,11 +155,11 @@ class Decoder:
     def __init__(self, a: argparse.Namespace, device: torch.device):
         from flashdraft import bundled
         from flashdraft.speculative.prompts import load_prompts
-        from flashdraft.target import load_model
+        from flashdraft.target import load_causal_lm
 
         self.a, self.device = a, device
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.target = load_model(a.target, dtype=self.dtype, device=device)
+        self.target = load_causal_lm(a.target, dtype=self.dtype, device=device)
         if a.target == bundled.BUNDLED:
             tokenizer = bundled.load_tokenizer()
         else:

@@ -45,6 +45,7 @@ from safetensors.torch import load_file, save_file
 
 from flashdraft import bundled
 from flashdraft.speculative.engine.target_runner import TargetEngine
+from flashdraft.target import load_causal_lm
 from flashdraft.target.mtp import MTPHead, chained, write_mtp
 
 
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(a.seed)
     gen = torch.Generator().manual_seed(a.seed)
     start = time.perf_counter()
-    target = bundled.build_target(dtype=torch.float32).eval().requires_grad_(False)
+    target = load_causal_lm(bundled.BUNDLED, dtype=torch.float32, device="cpu").requires_grad_(False)
     tokenizer = bundled.load_tokenizer()
     train_tokens = np.fromfile(a.corpus / "train.u16", dtype=np.uint16)
     held_tokens = np.fromfile(a.corpus / "heldout.u16", dtype=np.uint16)

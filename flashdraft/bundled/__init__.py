@@ -1,5 +1,9 @@
 """The bundled default: what `flashdraft train` and `flashdraft eval` use with no arguments (offline, CPU-sized).
 
+This module only says where its files are; `flashdraft.target.load` loads the target (`load_causal_lm(BUNDLED)`)
+like any other, and imports no torch here: `flashdraft train` reads its config (and takes the output directory's
+lock) before torch loads, so a second run on a busy directory stops at once.
+
 Everything ships in flashdraft/bundled, made by examples/tiny_target (how: its README):
 - target/: a *trained* tiny hybrid Qwen3.5 (8 layers: 6 Gated DeltaNet + 2 gated attention, hidden 256, 6.74M
   parameters, bf16), trained on the Python standard library's source (held-out loss 1.77 nats/token), with its own
@@ -13,10 +17,6 @@ Everything ships in flashdraft/bundled, made by examples/tiny_target (how: its R
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # torch loads when a model is built: `flashdraft train` reads its config (and takes the output
-    import torch  # directory's lock) before that, so a second run on a busy directory stops at once
 
 ASSETS = Path(__file__).resolve().parent
 BUNDLED = "bundled"
@@ -47,25 +47,3 @@ def target_dir() -> Path:
 
 def drafter_dir() -> Path:
     return ASSETS / "drafter"
-
-
-def build_target(dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
-    """The bundled trained target, loaded from the package (safetensors, no network).
-
-    Its linear-attention layers already run flashdraft's device-aware fast path (unprobed; `fastpath.probe`
-    proves it): on a CPU, transformers alone would pick fla's GPU-only kernels when fla is installed.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from flashdraft import fastpath
-    from flashdraft.hub import NO_HUB_KERNELS
-
-    hf_logging.disable_progress_bar()  # a 13 MB load needs no progress bar
-    model = AutoModelForCausalLM.from_pretrained(
-        target_dir(), dtype=dtype or torch.float32, use_safetensors=True, **NO_HUB_KERNELS
-    )
-    model = model.to(device)
-    fastpath.enable(model, strict=False, run_probe=False)
-    return model

@@ -1,12 +1,17 @@
 """The `flashdraft` command: train | features | doctor | prepare | regenerate | eval | export | bench.
 
+Every command reads one config: `--config YAML` (train, features and bench default to the bundled default's),
+dotted `section.field=value` overrides, and shortcut flags that set one field each (`--max-new-tokens 64` is
+eval.max_new_tokens=64; cli/options.py builds them from the schema, flashdraft/config/). `--help-config` lists
+every field of every section.
+
     flashdraft train [--config YAML] [--out DIR] [--resume] [--nproc N] [section.field=value ...]
     flashdraft features [--config YAML] [--out DIR|s3://...] [--nproc N] [section.field=value ...]
     flashdraft doctor [--json] [--model tiny-family|config.json|model-dir]
-    flashdraft prepare --data PATH|GLOB|s3://... --tokenizer DIR --out DIR
+    flashdraft prepare --data PATH|GLOB|s3://... --tokenizer DIR --out DIR     (or data.* in --config)
     flashdraft regenerate --target DIR --data IN.jsonl --out OUT.jsonl
-    flashdraft eval --target T --drafter D --prompts FILE.jsonl
-    flashdraft export --drafter D --out DIR [--target T]
+    flashdraft eval [--drafter RUN_DIR | --target T --drafter D --prompts FILE.jsonl]
+    flashdraft export --drafter D|RUN_DIR --out DIR [--target T]
     flashdraft bench train-step [--config YAML] [--seq N] [section.field=value ...]
 
 Exit codes: 0 success; 1 a check failed (e.g. doctor: fast path incomplete); 2 bad input or usage

@@ -1,46 +1,42 @@
-"""`flashdraft bench train-step`: the arguments of the command, then flashdraft.train.step_timing's timing of the
-training step (which says what it measures) on the config's target and drafter, printed as a table and written as
-JSON."""
+"""`flashdraft bench train-step`: the config of a training run (data.max_length is the sequence length) and the
+bench section, then flashdraft.train.step_timing's timing of the training step (which says what it measures) on
+the config's target and drafter, printed as a table and written as JSON."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+from flashdraft import bundled
+from flashdraft.cli import options
 from flashdraft.cli.exit_codes import EXIT_OK
-from flashdraft.train.step_timing import bench_setup, load_bench_target, machine, run_train_step, table
+from flashdraft.cli.options import Shortcut
+
+SHORTCUTS = (
+    Shortcut("data.max_length", flag="--seq", metavar="N"),
+    *options.shortcuts("bench.warmup", "bench.steps"),
+    Shortcut("bench.json", metavar="FILE"),
+)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure speed on this machine (train-step)")
     inner = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     t = inner.add_parser("train-step", help="time flashdraft's training step on a config's target and drafter")
-    t.add_argument("--config", default=None, help="YAML config (see examples/); default: the bundled default")
-    t.add_argument("--seq", type=int, default=None, help="sequence length in tokens (default: data.max_length)")
-    t.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
-    t.add_argument("--steps", type=int, default=4, help="timed steps")
-    t.add_argument("--json", default=None, help="also write the result as JSON to this file")
-    t.add_argument(
-        "overrides", nargs="*", metavar="section.field=value", help="dotted overrides, e.g. train.compile=false"
-    )
+    options.add(t, execute, SHORTCUTS, default_config=bundled.ASSETS / "train.yaml")
     # The top-level parser adds --debug to each subcommand's parser; this one is a level further down.
     t.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="print full tracebacks on errors")
-    t.set_defaults(run=run)
 
 
-def run(args) -> int:
+def execute(cfg, args) -> int:
     import logging
 
-    from flashdraft import bundled
-    from flashdraft.config import load_config
+    from flashdraft.train.step_timing import bench_setup, load_bench_target, machine, run_train_step, table
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.warmup < 0 or args.steps < 1:
-        raise ValueError(f"--warmup {args.warmup} / --steps {args.steps}: need warmup >= 0 and steps >= 1")
-    overrides = list(args.overrides) + ([f"data.max_length={args.seq}"] if args.seq is not None else [])
-    cfg = load_config(args.config or bundled.ASSETS / "train.yaml", overrides)
+    b = cfg.bench
     target, tokenizer = load_bench_target(cfg)
-    s = bench_setup(cfg, target, tokenizer=tokenizer, steps=args.warmup + args.steps)
+    s = bench_setup(cfg, target, tokenizer=tokenizer, steps=b.warmup + b.steps)
     print(
         f"target: {target.name_or_path or cfg.target.path}, {len(target.decoder.layers)} layers run, "
         f"{target.dtype}, {target.device}; drafter {sum(p.numel() for p in s.drafter.parameters()) / 1e6:.1f}M "
@@ -52,7 +48,7 @@ def run(args) -> int:
 
     if (basis := describe(s.device, s.peak)) is not None:
         print(basis, flush=True)
-    result = run_train_step(s, cfg, warmup=args.warmup, steps=args.steps)
+    result = run_train_step(s, cfg, warmup=b.warmup, steps=b.steps)
     result["seq"] = cfg.data.max_length
     print(
         f"FLOPs per step (the trainer's cost model, attention excluded): {result['flops']:.4g} = "
@@ -60,7 +56,7 @@ def run(args) -> int:
         f"{result['attention']}, compiled layers {result['compiled']}"
     )
     print(table([result]))
-    if args.json:
-        with open(args.json, "w") as fh:
+    if b.json:
+        with open(b.json, "w") as fh:
             json.dump({"machine": machine(), "results": [result]}, fh, indent=1)
     return EXIT_OK

@@ -1,41 +1,55 @@
-"""`flashdraft export`: the arguments of the command passed to flashdraft.export.export_drafter (which says what
-the command does), and the serving command lines printed."""
+"""`flashdraft export`: the export section (and target.path, when given, to check against) passed to
+flashdraft.export.export_drafter (which says what the command does), and the serving command lines printed."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from transformers import Qwen3Config
-
-from flashdraft import export
+from flashdraft.cli import options
 from flashdraft.cli.exit_codes import EXIT_BAD_INPUT, EXIT_OK
-from flashdraft.drafter.config import draft_value
-from flashdraft.export import PLACEHOLDER_TARGET, export_drafter, serve_commands
+from flashdraft.cli.options import Shortcut
+
+SHORTCUTS = (
+    Shortcut("export.drafter", metavar="D"),
+    Shortcut("export.out", metavar="DIR"),
+    Shortcut("target.path", flag="--target", metavar="T"),
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from flashdraft import export
+
     parser = subparsers.add_parser(
         "export",
         help="write a drafter for SGLang / vLLM / dflash",
         description=export.__doc__.split("\n\n")[0],
     )
-    parser.add_argument("--drafter", required=True, help="drafter checkpoint directory (config.json + safetensors)")
-    parser.add_argument("--out", required=True, help="output directory (replaced atomically)")
-    parser.add_argument("--target", default=None, help="target model directory or config.json to check against")
-    parser.set_defaults(run=run)
+    options.add(parser, execute, SHORTCUTS)
     return parser
 
 
-def run(args: argparse.Namespace) -> int:
+def execute(cfg, args: argparse.Namespace) -> int:
+    from transformers import Qwen3Config
+
+    from flashdraft import bundled
+    from flashdraft.drafter.config import draft_value
+    from flashdraft.export import PLACEHOLDER_TARGET, export_drafter, serve_commands
+
+    options.require(args, cfg, "export.drafter", "export.out")
+    # The default target.path (the bundled target) is no claim about this drafter: checked only when given.
+    target = cfg.target.path if "target.path" in options.explicit(args) else None
     try:
-        out = export_drafter(args.drafter, args.out, target=args.target)
+        run = options.training_run(cfg.export.drafter)
+        drafter = run[0] if run is not None else cfg.export.drafter
+        check = str(bundled.target_dir()) if target == bundled.BUNDLED else target
+        out = export_drafter(drafter, cfg.export.out, target=check)
     except (ValueError, OSError) as err:
         print(f"flashdraft export: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     drafter_config = Qwen3Config.from_pretrained(out)
     commands = serve_commands(
-        str(out.resolve()), draft_value(drafter_config, "block_size"), args.target or PLACEHOLDER_TARGET
+        str(out.resolve()), draft_value(drafter_config, "block_size"), target or PLACEHOLDER_TARGET
     )
     print(f"exported {out}\n  SGLang: {commands['sglang']}\n  vLLM:   {commands['vllm']}")
     return EXIT_OK

@@ -9,34 +9,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from flashdraft import bundled
+from flashdraft.cli import options
 from flashdraft.cli.exit_codes import EXIT_OK
-from flashdraft.cli.train import add_nproc_argument, relaunch_argv
-from flashdraft.data.features import FeaturesResult, local_dir, output_lock, write_features
+from flashdraft.cli.options import Shortcut
+
+SHORTCUTS = (Shortcut("data.features", flag="--out", metavar="DIR|s3://..."),)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("features", help="capture the target's features of the training data for offline training")
-    p.add_argument("--config", default=None, help="YAML config of the training run (default: the bundled one)")
-    p.add_argument("--out", default=None, help="features directory, local or s3:// (default: data.features)")
-    add_nproc_argument(p)
-    p.add_argument("overrides", nargs="*", metavar="section.field=value", help="dotted overrides, as for train")
-    p.set_defaults(run=run)
+    options.add_nproc_argument(p)
+    options.add(p, execute, SHORTCUTS, default_config=bundled.ASSETS / "train.yaml")
 
 
-def run(args) -> int:
+def execute(cfg, args) -> int:
     import logging
 
     from rich.console import Console
 
-    from flashdraft import bundled
-    from flashdraft.config import load_config
+    from flashdraft.data.features import local_dir, output_lock
     from flashdraft.train import distributed
 
     if args.nproc is not None and not distributed.launched():
-        return distributed.launch(args.nproc, relaunch_argv(args, "features"))
+        return distributed.launch(args.nproc, options.relaunch_argv(args, "features"))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = load_config(args.config or bundled.ASSETS / "train.yaml", args.overrides)
-    out = args.out or cfg.data.features
+    out = cfg.data.features
     if not out:
         raise ValueError("features: where to? give --out DIR (local or s3://) or data.features=DIR")
     console = Console()
@@ -55,9 +53,10 @@ def run(args) -> int:
     return EXIT_OK
 
 
-def _write(cfg, out: str, console) -> FeaturesResult:
+def _write(cfg, out: str, console):
     """The config's target and training data (online: the target is run, whatever `data.features` says), then their
     features written to `out`."""
+    from flashdraft.data.features import write_features
     from flashdraft.train.setup import load_inputs
 
     _, _, target, data, _ = load_inputs(cfg, Path(cfg.log.out), console, offline=False)

@@ -9,56 +9,44 @@ from __future__ import annotations
 
 import signal
 
+from flashdraft import bundled
+from flashdraft.cli import options
 from flashdraft.cli.exit_codes import EXIT_OK
+from flashdraft.cli.options import Shortcut
+
+SHORTCUTS = (Shortcut("log.out", flag="--out", metavar="DIR"),)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a DFlash drafter (no arguments: the bundled default on this machine)")
-    p.add_argument("--config", default=None, help="YAML config (see examples/); default: the bundled default")
-    p.add_argument("--out", default=None, help="output directory (overrides log.out)")
     p.add_argument(
         "--resume",
         action="store_true",
         help="continue from the latest complete checkpoint in OUT (a run of the same config stopped before its first "
         "checkpoint starts again from step 0)",
     )
-    p.add_argument("--help-config", action="store_true", help="list every config field with its default and meaning")
-    add_nproc_argument(p)
-    p.add_argument("overrides", nargs="*", metavar="section.field=value", help="dotted overrides, e.g. optim.lr=3e-4")
-    p.set_defaults(run=run)
+    options.add_nproc_argument(p)
+    # No --config: the bundled default (a CPU-sized run), not the paper-scale defaults of the dataclasses.
+    options.add(p, execute, SHORTCUTS, default_config=bundled.ASSETS / "train.yaml")
 
 
-def run(args) -> int:
-    from rich.console import Console
-
-    from flashdraft.config import describe_fields, load_config
-
-    console = Console()
-    if args.help_config:
-        for name, default, doc in describe_fields():
-            console.print(f"[bold]{name}[/] = {default}\n    {doc}")
-        return EXIT_OK
+def execute(cfg, args) -> int:
     import logging
 
-    from flashdraft import bundled
+    from rich.console import Console
+
     from flashdraft.io import lock
 
     if args.nproc is not None:
         from flashdraft.train import distributed
 
         if not distributed.launched():
-            return distributed.launch(args.nproc, relaunch_argv(args, "train"))
+            return distributed.launch(args.nproc, options.relaunch_argv(args, "train"))
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    given_out = [o.partition("=")[2] for o in args.overrides if o.partition("=")[0].strip() == "log.out"]
-    if args.out and given_out and given_out[-1] != args.out:
-        raise ValueError(f"--out {args.out} and log.out={given_out[-1]} disagree: give one of them")
-    overrides = list(args.overrides) + ([f"log.out={args.out}"] if args.out else [])
-    # No --config: the bundled default (a CPU-sized run), not the paper-scale defaults of the dataclasses.
-    cfg = load_config(args.config or bundled.ASSETS / "train.yaml", overrides)
     # One writer per output directory, taken before torch loads: a second run on it stops within a second.
     with lock.hold(cfg.log.out, "train"):
-        return _run(args, cfg, console)
+        return _run(args, cfg, Console())
 
 
 def _run(args, cfg, console) -> int:
@@ -102,7 +90,6 @@ def preflight(cfg, resume: bool = False) -> None:
     data are left to their loaders (which refuse uncached hub ids unless HF_HUB_OFFLINE=0)."""
     from pathlib import Path
 
-    from flashdraft import bundled
     from flashdraft.data.sources import resolve_sources
     from flashdraft.hub import is_hub_id
 
@@ -127,26 +114,3 @@ def preflight(cfg, resume: bool = False) -> None:
         from flashdraft.train.loop import restart_without_checkpoint
 
         restart_without_checkpoint(Path(cfg.log.out), cfg)  # a missing OUT or another run's: an error, here
-
-
-def add_nproc_argument(p) -> None:
-    p.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        metavar="N",
-        help="run N data-parallel processes on this machine (launches torchrun --standalone; sets "
-        "NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 unless set)",
-    )
-
-
-def relaunch_argv(args, command: str) -> list[str]:
-    """The arguments of this command again, without --nproc: what each torchrun worker runs."""
-    argv = [command]
-    for flag in ("config", "out"):
-        if getattr(args, flag, None):
-            argv += [f"--{flag}", str(getattr(args, flag))]
-    for flag in ("resume", "debug"):
-        if getattr(args, flag, False):
-            argv.append(f"--{flag}")
-    return argv + list(getattr(args, "overrides", []))

@@ -1,7 +1,18 @@
-"""The run config: documented dataclasses (schema.py) filled from YAML and dotted CLI overrides (load.py)."""
+"""The config of every command: documented dataclasses (schema.py: the training run's sections; commands.py: the
+other commands' sections) filled from YAML and dotted CLI overrides (load.py)."""
 
-from flashdraft.config.load import describe_fields, from_dict, load_config, to_dict
+from flashdraft.config.commands import (
+    BASELINES,
+    BenchCommand,
+    DoctorCommand,
+    EvalCommand,
+    ExportCommand,
+    PrepareCommand,
+    RegenerateCommand,
+)
+from flashdraft.config.load import Field, describe_fields, explicit_fields, fields_of, from_dict, load_config, to_dict
 from flashdraft.config.schema import (
+    CHOICES,
     ConfigError,
     DataConfig,
     DrafterConfig,
@@ -17,17 +28,28 @@ from flashdraft.config.schema import (
 )
 
 __all__ = [
+    "BASELINES",
+    "CHOICES",
+    "BenchCommand",
     "ConfigError",
     "DataConfig",
+    "DoctorCommand",
     "DrafterConfig",
+    "EvalCommand",
+    "ExportCommand",
+    "Field",
     "LogConfig",
     "OptimConfig",
+    "PrepareCommand",
     "RecipeConfig",
+    "RegenerateCommand",
     "RunConfig",
     "S3Config",
     "TargetConfig",
     "TrainConfig",
     "describe_fields",
+    "explicit_fields",
+    "fields_of",
     "from_dict",
     "is_switch",
     "load_config",

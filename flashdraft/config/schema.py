@@ -10,6 +10,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from flashdraft.config import commands
+from flashdraft.config.commands import COMMAND_CHOICES, command_checks, either, field_value
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,10 +38,20 @@ def is_switch(setting: Any) -> bool:
     return isinstance(setting, bool) or setting == "auto"
 
 
+# The values a field of a fixed set of words takes: what validate() accepts and what a command-line shortcut offers.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "target.dtype": ("auto", "bfloat16", "float16", "float32"),
+    "data.format": ("auto", "chat", "sharegpt", "text", "tokenized"),
+    "data.overlong": ("truncate", "drop"),
+    **COMMAND_CHOICES,
+}
+
+
 @dataclass(kw_only=True)
 class TargetConfig:
     path: str = "bundled"
-    """Target model: a local HF directory, a hub id (only when online), or "bundled" (the package's tiny target)."""
+    """Target model: a local HF directory, a hub id (read from the hub cache; downloaded only when HF_HUB_OFFLINE=0),
+    or "bundled" (the package's tiny trained target)."""
     dtype: str = "auto"
     """auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32."""
     trust_remote_code: bool = False
@@ -46,12 +59,13 @@ class TargetConfig:
     attn_implementation: str = "sdpa"
     """transformers attention implementation of the target."""
     cudnn_attention: bool = False
-    """Training: the target's SDPA layers try cuDNN attention before flash. On the H200 it bought 0.5% of a 27B step at
-    seq 32768 (bench/RESULTS.md); it plans each new shape once (~5 ms), which only fixed lengths amortise."""
+    """Training: the target's SDPA attention layers try cuDNN's attention kernel before flash attention. cuDNN plans
+    each new sequence shape once, so it can only pay off when every batch has the same length (train.static_shapes);
+    leave it off otherwise. GPU only."""
     compile: bool | str = "auto"
-    """Training: torch.compile the torch code between the target's fast kernels (its RMSNorms and dense MLPs). On the
-    H200 it took a 27B Qwen3.5's forward from 3.25 to 2.98 s at 32K tokens (bench/RESULTS.md). true | false | auto
-    (on CUDA unless target.shard). The first batch of each of the first two lengths compiles (seconds)."""
+    """Training: torch.compile the torch code between the target's fast kernels (its RMSNorms and dense MLPs), fusing
+    their many small operations; worth it on a GPU, most at long sequences. true | false | auto (on CUDA unless
+    target.shard). The first batch of each of the first two lengths compiles (seconds)."""
     precision: str = "bf16"
     """Training: bf16 | fp8. fp8 runs the target's linear layers (attention, Gated DeltaNet and MLP projections) as
     FP8 GEMMs with a scale per token and per output channel: weights quantized once at load (half the memory),
@@ -103,8 +117,9 @@ class DataConfig:
     """Offline training: a directory (local or s3://) of target features written by `flashdraft features`; train
     reads them instead of running the target (which is then not loaded). Null: online (the target runs)."""
     eval_prompts: str | None = "bundled"
-    """JSONL of held-out prompts ({"prompt"} or {"messages"}) for the measured τ at the end of training; "bundled"
-    uses the package's prompts when training on the bundled data; null skips it."""
+    """JSONL of held-out prompts ({"prompt"} or {"messages"}): those of the measured τ at the end of training, and
+    what `flashdraft eval` decodes. "bundled": the package's held-out prompts, for the bundled data and target (with
+    other training data the measured τ is skipped); null skips the measured τ."""
     eval_limit: int = 4
     """Held-out prompts decoded for the measured τ."""
     eval_max_new_tokens: int = 48
@@ -240,6 +255,13 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     s3: S3Config = field(default_factory=S3Config)
+    # The sections of the other commands (config/commands.py); training reads none of them.
+    eval: commands.EvalCommand = field(default_factory=commands.EvalCommand)
+    regenerate: commands.RegenerateCommand = field(default_factory=commands.RegenerateCommand)
+    prepare: commands.PrepareCommand = field(default_factory=commands.PrepareCommand)
+    export: commands.ExportCommand = field(default_factory=commands.ExportCommand)
+    doctor: commands.DoctorCommand = field(default_factory=commands.DoctorCommand)
+    bench: commands.BenchCommand = field(default_factory=commands.BenchCommand)
 
     def validate(self) -> RunConfig:
         checks = [
@@ -251,12 +273,8 @@ class RunConfig:
             ),
             ("drafter.block_size", self.drafter.block_size >= 2, "must be >= 2 (the anchor plus one drafted token)"),
             ("data.max_length", self.data.max_length >= self.drafter.block_size, "must be >= drafter.block_size"),
-            ("data.overlong", self.data.overlong in ("truncate", "drop"), "must be 'truncate' or 'drop'"),
-            (
-                "data.format",
-                self.data.format in ("auto", "chat", "sharegpt", "text", "tokenized"),
-                "must be one of auto, chat, sharegpt, text, tokenized",
-            ),
+            ("data.overlong", self.data.overlong in CHOICES["data.overlong"], "must be 'truncate' or 'drop'"),
+            ("data.format", self.data.format in CHOICES["data.format"], f"must be {either(CHOICES['data.format'])}"),
             ("data.train", bool(self.data.train), "needs at least one path"),
             ("data.eval_limit", self.data.eval_limit >= 1, "must be >= 1"),
             ("data.eval_max_new_tokens", self.data.eval_max_new_tokens >= 1, "must be >= 1"),
@@ -317,8 +335,8 @@ class RunConfig:
             ),
             (
                 "target.dtype",
-                self.target.dtype in ("auto", "bfloat16", "float16", "float32"),
-                "must be auto, bfloat16, float16 or float32",
+                self.target.dtype in CHOICES["target.dtype"],
+                f"must be {either(CHOICES['target.dtype'])}",
             ),
             ("log.every", self.log.every >= 1, "must be >= 1"),
             ("log.checkpoint_every", self.log.checkpoint_every >= 1, "must be >= 1"),
@@ -331,10 +349,11 @@ class RunConfig:
                 self.log.eval_every >= 0 and self.log.eval_every % self.log.every == 0,
                 f"must be 0 or a multiple of log.every ({self.log.every}): τ is reported in that step's metrics",
             ),
+            *command_checks(self, COMMAND_CHOICES),
         ]
         for name, ok, why in checks:
             if not ok:
-                raise ConfigError(f"{name} = {_get(self, name)!r}: {why}", field=name)
+                raise ConfigError(f"{name} = {field_value(self, name)!r}: {why}", field=name)
         ids = self.drafter.target_layer_ids
         if ids is not None and (len(set(ids)) != len(ids) or any(i < 0 for i in ids)):
             raise ConfigError(
@@ -350,9 +369,3 @@ class RunConfig:
                 self.data.max_length,
             )
         return self
-
-
-def _get(obj, dotted: str):
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj

@@ -1,7 +1,8 @@
 """`flashdraft doctor`: is every fast path of a hybrid target active here, and if not, what to do.
 
 Each check has a status (ok / warn / fail / info), a one-line detail and a one-line fix. The per-layer probe table
-of a model (the caller builds it: `flashdraft doctor --model`, a tiny hybrid by default) is part of the verdict.
+of a model (the caller builds it, with random weights: `flashdraft doctor --model`, a tiny hybrid by default;
+flashdraft.target.tiny) is part of the verdict.
 Exit code 0 only when the fast path is complete; on a machine without a CUDA device it cannot be, and doctor says so.
 """
 
@@ -259,29 +260,9 @@ def check_transformers() -> Check:
     return Check("transformers", status, f"transformers {version} — {gen}", fix)
 
 
-def build_probe_model(path: str, probe_layers: int, device: str, dtype: torch.dtype):
-    """The first `probe_layers` layers of the model a config.json or model directory describes, random weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if os.path.isfile(path):
-        config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)) or ".")
-    elif os.path.isdir(path):
-        config = AutoConfig.from_pretrained(path)
-    else:
-        raise FileNotFoundError(f"{path!r}: not a config.json or model directory")
-    config = config.get_text_config()
-    n = min(probe_layers, config.num_hidden_layers)
-    config.num_hidden_layers = n
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:n]
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
-
-
 def run_doctor(build_model: Callable[[str, torch.dtype], nn.Module], progress=None) -> dict:
-    """All checks, then the per-layer probe of `build_model(device, dtype)` (bf16 on the GPU when there is one, else
-    float32 on the CPU), then its linears as FP8. progress(line): told before and after each step (slow ones compile
+    """All checks, then the per-layer probe of `build_model(device, dtype)` (flashdraft.devices' auto: bf16 on the GPU
+    when there is one, else float32 on the CPU), then its linears as FP8. progress(line): told before and after each step (slow ones compile
     Triton kernels on a first GPU run), so that a long first run is never silent."""
     progress = progress or (lambda line: None)
     steps = [
@@ -316,10 +297,11 @@ def _timed(progress, label: str, fn, announce: str | None = None) -> Check:
 def _probe(build_model, probed: dict) -> Check:
     """The per-layer probe; the model and its report go into `probed`."""
     from flashdraft import fastpath
+    from flashdraft.devices import resolve_device, resolve_dtype
 
     try:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        probed["model"] = build_model(device, torch.bfloat16 if device == "cuda" else torch.float32)
+        device = resolve_device("auto")
+        probed["model"] = build_model(str(device), resolve_dtype("auto", device))
         report = probed["report"] = fastpath.enable(probed["model"], strict=False)
     except Exception as exc:
         return Check(

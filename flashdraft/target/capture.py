@@ -1,8 +1,8 @@
 """The frozen target: load it, keep only the layers the drafter reads, and capture their hidden states.
 
-    target = load_target("Qwen/Qwen3.5-27B")                      # bf16 on the GPU, fast path proven
-    features = target.capture(input_ids, attention_mask)          # (B, T, n * D), layer i = hidden_states[i + 1]
-    block = target.embed(block_ids)                               # the target's frozen input embedding
+    target = load_frozen_target(TargetConfig(path="Qwen/Qwen3.5-27B"))  # flashdraft.target.load; bf16 on the GPU
+    features = target.capture(input_ids, attention_mask)   # (B, T, n * D), layer i = hidden_states[i + 1]
+    block = target.embed(block_ids)                        # the target's frozen input embedding
     drafter = DFlashDraftModel.from_target(target.config, target_layer_ids=target.target_layer_ids)
 
 Training needs the target only up to its last captured layer (`flops.step_flops` counts no more): the decoder layer list is
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import re
 import time
 from collections.abc import Sequence
 
@@ -31,10 +30,6 @@ from flashdraft.fastpath import fp8
 from flashdraft.fastpath.probe import FastPathReport
 
 logger = logging.getLogger(__name__)
-
-_PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "model.ckpt")
-_FALSE = ("0", "false", "no", "off")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def glue_compile_enabled(options, device: torch.device) -> bool:

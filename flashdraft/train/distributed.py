@@ -33,6 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from flashdraft.devices import resolve_device
 from flashdraft.ranks import World, world
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def session(device: str = "auto", command: str = "train", output: str | os.PathL
     if not launched() or _session is not None:
         yield world()
         return
-    use_cuda = device == "cuda" or device == "auto" and torch.cuda.is_available()
+    use_cuda = resolve_device(device, field="train.device").type == "cuda"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
         if not torch.cuda.is_available():

@@ -28,7 +28,7 @@ from flashdraft.data import FormatConfig, PrepareConfig, TokenizedDataset, prepa
 from flashdraft.data.features import FeatureStore, HeadTarget
 from flashdraft.devices import resolve_device, resolve_dtype
 from flashdraft.drafter import DFlashDraftModel
-from flashdraft.target import FrozenTarget, build_target, check_fp8, glue_compile_enabled
+from flashdraft.target import FrozenTarget, check_fp8, glue_compile_enabled, load_frozen_target
 from flashdraft.train import data_parallel, distributed
 from flashdraft.train.blocks import DraftBatch, anchor_generator, build_blocks, sample_anchors, sample_reveals
 from flashdraft.train.compile import compile_drafter, resolve_auto_compile
@@ -130,7 +130,7 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
             features = FeatureStore(cfg.data.features, device=device, s3=cfg.s3)
             target = features.head_target(layer_ids)
         else:
-            target = build_target(
+            target = load_frozen_target(
                 cfg.target,
                 layer_ids=layer_ids,
                 device=load_on,

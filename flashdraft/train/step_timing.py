@@ -23,7 +23,7 @@ import torch
 from transformers import AutoTokenizer
 
 from flashdraft.devices import resolve_device, resolve_dtype
-from flashdraft.target import build_target
+from flashdraft.target import load_frozen_target
 from flashdraft.train import loop
 from flashdraft.train.compile import compile_drafter, compile_enabled
 from flashdraft.train.flops import device_peak, step_flops
@@ -206,7 +206,7 @@ def load_bench_target(cfg):
     device = resolve_device(cfg.train.device, field="train.device")
     dtype = resolve_dtype(cfg.target.dtype, device)
     torch.manual_seed(cfg.train.seed)
-    target = build_target(
+    target = load_frozen_target(
         cfg.target,
         layer_ids=captured_layer_ids(cfg),
         device=device,

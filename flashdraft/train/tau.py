@@ -24,7 +24,7 @@ from flashdraft.speculative.engine import session as engine_session
 from flashdraft.speculative.evaluate import Tally
 from flashdraft.speculative.generate import generate, use_engine
 from flashdraft.speculative.prompts import load_prompts
-from flashdraft.target import load_model
+from flashdraft.target import load_causal_lm
 from flashdraft.train import data_parallel
 from flashdraft.train.setup import Setup
 
@@ -52,7 +52,7 @@ def measure_tau(
     if prompts_path is None:
         return None
     if s.full_target is None:
-        s.full_target = load_model(
+        s.full_target = load_causal_lm(
             cfg.target.path, dtype=s.target.dtype, device=s.device, trust_remote_code=cfg.target.trust_remote_code
         )
     full = s.full_target

@@ -300,6 +300,36 @@ def test_no_arguments_evaluates_the_bundled_default(tmp_path, monkeypatch):
     assert report["num_prompts"] == 1 and report["tau"] > SHIPPED_TAU_FLOOR
 
 
+def test_eval_of_a_training_run_takes_its_target_prompts_and_latest_checkpoint(tmp_path, monkeypatch, capsys):
+    """`flashdraft eval --drafter RUN` on what a tiny `flashdraft train` wrote: the latest complete checkpoint, with
+    the target, dtype and held-out prompts of the run's config.json; a flag given still wins."""
+    from flashdraft import bundled, cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = tmp_path / "run"
+    quick = ["train.max_steps=2", "train.batch_size=1", "data.eval_limit=1", "data.eval_max_new_tokens=4"]
+    assert cli.main(["train", "--out", str(run), *quick]) == 0
+    capsys.readouterr()
+    common = ["eval", "--drafter", str(run), "--limit", "1", "--max-new-tokens", "8", "--no-progress"]
+    assert cli.main([*common, "--json", "a.json"]) == 0
+    report = json.loads((tmp_path / "a.json").read_text())
+    assert report["drafter"] == str(run / "checkpoints" / "step_00000002" / "drafter")
+    assert report["target"] == "bundled" and report["prompts"] == str(bundled.eval_prompts())
+    assert report["num_prompts"] == 1 and report["greedy_mismatches"] == 0
+    # What the run's config.json names is what eval uses, unless the command line says otherwise.
+    settings = json.loads((run / "config.json").read_text())
+    prompts = _write(tmp_path / "mine.jsonl", [json.dumps({"prompt": "def add(a, b):"})])
+    settings["target"]["dtype"], settings["data"]["eval_prompts"] = "bfloat16", str(prompts)
+    (run / "config.json").write_text(json.dumps(settings))
+    assert cli.main([*common, "--json", "b.json"]) == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert (report["dtype"], report["prompts"]) == ("bfloat16", str(prompts))
+    assert cli.main([*common, "--dtype", "float32", "--prompts", str(bundled.eval_prompts()), "--json", "c.json"]) == 0
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert (report["dtype"], report["prompts"]) == ("float32", str(bundled.eval_prompts()))
+
+
 def test_plot_without_matplotlib_is_refused_before_the_models_load(capsys, tmp_path, monkeypatch):
     from flashdraft import cli
 
@@ -345,7 +375,11 @@ def test_eval_refine_drafts_in_passes(models, tmp_path, capsys):
     assert main([*common, "--refine", "each", "--block-size", "3", "--json", str(tmp_path / "e.json")]) == 0
     assert json.loads((tmp_path / "e.json").read_text())["refine"] == [1]
     capsys.readouterr()
-    for bad, message in (("1,x", "expected ascending"), ("2,1", "expected ascending"), ("3", "within 1 … 2")):
+    for bad, message in (
+        ("1,x", "--refine 1,x: eval.refine[1]: expected int, got str 'x'"),
+        ("2,1", "--refine 2,1: eval.refine = [2, 1]: expected ascending"),
+        ("3", "within 1 … 2"),
+    ):
         assert main([*common, "--refine", bad]) == 2, bad
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (bad, err)

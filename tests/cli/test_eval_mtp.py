@@ -89,9 +89,11 @@ def test_baselines_mtp_on_a_target_without_mtp_is_a_clear_error(models, tmp_path
     assert f"target checkpoint {models / 'plain'} has no MTP weights" in err and "--baselines mtp" in err
     assert "Traceback" not in err
     assert main([*common, "--baselines", "ar,eagle"]) == 2
-    assert "--baselines: unknown eagle" in capsys.readouterr().err
+    assert "--baselines ar,eagle: eval.baselines = ['ar', 'eagle']: unknown eagle" in capsys.readouterr().err
     assert main([*common, "--context-lengths", "1024,lots"]) == 2
-    assert "--context-lengths: expected comma-separated token counts" in capsys.readouterr().err
+    assert (
+        "--context-lengths 1024,lots: eval.context_lengths[1]: expected int, got str 'lots'" in capsys.readouterr().err
+    )
 
 
 def test_context_lengths_sweep(models, tmp_path, capsys):

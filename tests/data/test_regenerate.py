@@ -7,11 +7,12 @@ import pytest
 from flashdraft import bundled
 from flashdraft.data import DataError
 from flashdraft.data.regenerate import SORTED_RUN_BATCHES, _length_sorted_runs, regenerate
+from flashdraft.target import load_causal_lm
 
 
 @pytest.fixture(scope="module")
 def target_and_tokenizer():
-    return bundled.build_target().eval(), bundled.load_tokenizer()
+    return load_causal_lm(bundled.BUNDLED, dtype="float32", device="cpu"), bundled.load_tokenizer()
 
 
 def _write(path, rows):

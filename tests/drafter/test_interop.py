@@ -12,7 +12,7 @@ from transformers import DynamicCache, Qwen3Config
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from flashdraft.drafter import DFlashDraftModel, build_target_layer_ids
-from flashdraft.target.tiny import build_tiny_target, tiny_config
+from flashdraft.target.tiny import random_tiny_model, tiny_config
 
 HIDDEN, VOCAB, BLOCK = 64, 256, 4
 # transformers 5.15 taught a sliding-window cache layer to roll back past its window (activate_past_recording);
@@ -160,7 +160,7 @@ def test_default_target_layer_ids_match_reference(ref):
 def test_reference_generate_loop_drives_our_drafter_losslessly(ref, tmp_path):
     """dflash_generate with our model, and with the reference model loaded from our checkpoint: same tokens, and
     (greedy, plain Qwen3 target) the target's own greedy continuation."""
-    target = build_tiny_target("qwen3", num_layers=8, vocab_size=VOCAB)
+    target = random_tiny_model("qwen3", num_layers=8, vocab_size=VOCAB)
     model = ours("full")
     model.save_pretrained(tmp_path)
     reference = ref.DFlashDraftModel.from_pretrained(tmp_path).eval()

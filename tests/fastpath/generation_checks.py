@@ -26,7 +26,7 @@ from flashdraft.fastpath.patch import (
     linear_attention_layers,
     transformers_checks_devices,
 )
-from flashdraft.target.tiny import HYBRID_FAMILIES, build_tiny_target
+from flashdraft.target.tiny import HYBRID_FAMILIES, random_tiny_model
 from flashdraft.versions import cache_kwargs
 
 from . import crashes_unpatched_on_cpu, expected_generation, torch_reference_logits
@@ -50,7 +50,7 @@ def lookups(model) -> dict[tuple[int, str], object]:
 
 
 def check_fast_path(family: str) -> None:
-    model = build_tiny_target(family, num_layers=4, seed=3)
+    model = random_tiny_model(family, num_layers=4, seed=3)
     ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(4))
     before = lookups(model)
     expected = torch_reference_logits(model, ids)
@@ -107,7 +107,7 @@ def check_spec_and_capture() -> None:
     from flashdraft.speculative import generate
     from flashdraft.target import FrozenTarget
 
-    target = build_tiny_target("qwen3_5", num_layers=8, seed=5, dtype=torch.float64)
+    target = random_tiny_model("qwen3_5", num_layers=8, seed=5, dtype=torch.float64)
     fastpath.disable(target)  # transformers' import-time choice, as a fresh process has it
     torch.manual_seed(6)
     drafter = DFlashDraftModel.from_target(target.config, num_layers=1, block_size=4, mask_token_id=255)

@@ -7,7 +7,7 @@ import torch
 
 from flashdraft.fastpath import backends, record
 from flashdraft.fastpath.patch import linear_attention_layers, modeling_module
-from flashdraft.target.tiny import build_tiny_target
+from flashdraft.target.tiny import random_tiny_model
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def chunk_rule(monkeypatch):
     monkeypatch.setattr(backends, "_fla_ops", lambda: ((fake_fla_chunk, None), ""))
     monkeypatch.setattr(backends, "_device_reason", lambda *t: "")
     monkeypatch.setattr(backends, "fla_chunk_backward_problem", lambda: "fallback: fla #640 stand-in")
-    model = build_tiny_target("qwen3_5", num_layers=4)
+    model = random_tiny_model("qwen3_5", num_layers=4)
     layer = linear_attention_layers(model)[0][1]
     fns = backends.make_backends(backends.torch_fallbacks(modeling_module(layer)))
     return fns[backends.CHUNK_RULE], calls

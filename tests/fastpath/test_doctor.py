@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from flashdraft.fastpath.doctor import build_probe_model, diagnose_build_log, run_doctor, transformers_generation
-from flashdraft.target.tiny import tiny_config
+from flashdraft.fastpath.doctor import diagnose_build_log, run_doctor, transformers_generation
+from flashdraft.target.tiny import random_model_like, tiny_config
 
 CUDA = torch.cuda.is_available()
 NAMES = {"gpu", "torch", "driver", "triton", "fla-core", "causal-conv1d", "transformers", "probe", "fp8 linears"}
@@ -73,7 +73,7 @@ def test_doctor_table_output():
 
 def test_doctor_model_from_config_file(tmp_path):
     tiny_config("qwen3_5_moe", num_layers=8).save_pretrained(tmp_path)
-    result = run_doctor(functools.partial(build_probe_model, str(tmp_path / "config.json"), 8))
+    result = run_doctor(functools.partial(random_model_like, str(tmp_path / "config.json"), 8))
     assert [layer["index"] for layer in result["layers"]] == [0, 1, 2, 4, 5, 6]
 
 

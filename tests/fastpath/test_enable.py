@@ -15,7 +15,7 @@ from flashdraft.fastpath.patch import (
     linear_attention_layers,
     transformers_checks_devices,
 )
-from flashdraft.target.tiny import HYBRID_FAMILIES, build_tiny_target
+from flashdraft.target.tiny import HYBRID_FAMILIES, random_tiny_model
 
 from . import crashes_unpatched_on_cpu, expected_generation, torch_reference_logits
 
@@ -24,7 +24,7 @@ CUDA = torch.cuda.is_available()
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_enable_on_cpu_reports_every_layer_and_keeps_numerics(family):
-    model = build_tiny_target(family, num_layers=8, seed=1)
+    model = random_tiny_model(family, num_layers=8, seed=1)
     ids = torch.randint(0, 256, (2, 19))
     fastpath.disable(model)  # transformers' import-time lookups, whatever an earlier test patched
     expected = torch_reference_logits(model, ids)
@@ -51,7 +51,7 @@ def test_enable_on_cpu_reports_every_layer_and_keeps_numerics(family):
 
 
 def test_strict_raises_with_layers_and_reason():
-    model = build_tiny_target("qwen3_5", num_layers=4)
+    model = random_tiny_model("qwen3_5", num_layers=4)
     try:
         with pytest.raises(fastpath.FastPathError) as err:
             fastpath.enable(model)
@@ -64,7 +64,7 @@ def test_strict_raises_with_layers_and_reason():
 
 @pytest.mark.skipif(CUDA, reason="documents the CPU hazard of transformers' import-time choice")
 def test_probe_without_enable_exposes_the_import_time_choice():
-    model = build_tiny_target("qwen3_5", num_layers=4)
+    model = random_tiny_model("qwen3_5", num_layers=4)
     fastpath.disable(model)  # what transformers chose at import, whatever an earlier test's entry point patched
     report = fastpath.probe(model)
     assert not report.ok
@@ -84,7 +84,7 @@ def test_probe_without_enable_exposes_the_import_time_choice():
 
 
 def test_ensure_patches_once_and_keeps_an_explicit_choice():
-    model = build_tiny_target("qwen3_5", num_layers=4)
+    model = random_tiny_model("qwen3_5", num_layers=4)
     fastpath.disable(model)
     assert not is_patched(model)
     lookups = entry_points(linear_attention_layers(model)[0][1])
@@ -106,13 +106,13 @@ def test_ensure_patches_once_and_keeps_an_explicit_choice():
 
 
 def test_plain_target_has_no_linear_layers():
-    model = build_tiny_target("qwen3", num_layers=2)
+    model = random_tiny_model("qwen3", num_layers=2)
     report = fastpath.enable(model, strict=True)
     assert report.ok and report.layers == [] and report.generation is None
 
 
 def test_disable_restores_transformers_choice():
-    model = build_tiny_target("qwen3_5", num_layers=4)
+    model = random_tiny_model("qwen3_5", num_layers=4)
     fastpath.disable(model)
     owner, name = entry_points(linear_attention_layers(model)[0][1])[CHUNK_RULE]
     before = getattr(owner, name)
@@ -130,7 +130,7 @@ def test_dao_backend_missing_is_reported():
         pytest.skip("pip causal-conv1d is installed here")
     except ImportError:
         pass
-    model = build_tiny_target("qwen3_5", num_layers=4)
+    model = random_tiny_model("qwen3_5", num_layers=4)
     try:
         report = fastpath.enable(model, strict=False, conv_backend="dao")
         use = report.layers[0].ops["causal_conv1d_fn"]
@@ -140,7 +140,7 @@ def test_dao_backend_missing_is_reported():
 
 
 def test_unknown_conv_backend_is_a_clear_error():
-    model = build_tiny_target("qwen3_5", num_layers=4)
+    model = random_tiny_model("qwen3_5", num_layers=4)
     with pytest.raises(ValueError, match="conv_backend must be one of"):
         fastpath.enable(model, conv_backend="cudnn")
 
@@ -154,9 +154,9 @@ def test_import_order_does_not_matter(order):
         [
             *imports,
             "from flashdraft import fastpath",
-            "from flashdraft.target.tiny import build_tiny_target",
+            "from flashdraft.target.tiny import random_tiny_model",
             "import torch",
-            "m = build_tiny_target('qwen3_5', num_layers=4, device='cuda' if torch.cuda.is_available() else 'cpu')",
+            "m = random_tiny_model('qwen3_5', num_layers=4, device='cuda' if torch.cuda.is_available() else 'cpu')",
             "r = fastpath.enable(m, strict=False)",
             "print(sorted({u.impl for l in r.layers for u in l.ops.values()}), len(r.layers))",
         ]
@@ -171,7 +171,7 @@ def test_import_order_does_not_matter(order):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_enable_on_gpu_is_fast_everywhere_and_close_to_torch(family):
-    model = build_tiny_target(family, num_layers=8, dtype=torch.bfloat16, device="cuda", seed=2)
+    model = random_tiny_model(family, num_layers=8, dtype=torch.bfloat16, device="cuda", seed=2)
     ids = torch.randint(0, 256, (2, 300), device="cuda")
     fastpath.disable(model)
     expected = torch_reference_logits(model, ids).float()
@@ -197,10 +197,10 @@ def test_probe_reaches_every_call_of_a_target_truncated_before_its_first_full_at
     """A target loaded only up to layer 2 holds linear-attention layers only; transformers cannot ask that cache for
     its length, so the probe must still reach the decode-time calls (regression: found on the H200)."""
     from flashdraft.fastpath.probe import NOT_CALLED
-    from flashdraft.target import load_target
+    from flashdraft.target import load_frozen_target
 
-    build_tiny_target(family, num_layers=4).save_pretrained(tmp_path)
-    target = load_target(tmp_path, target_layer_ids=[0, 2], device="cpu")  # enables the fast path, not strict
+    random_tiny_model(family, num_layers=4).save_pretrained(tmp_path)
+    target = load_frozen_target(tmp_path, layer_ids=[0, 2], device="cpu")  # enables the fast path, not strict
     report = fastpath.probe(target.model)
     assert report.error == ""
     assert len(report.layers) == 3

@@ -6,7 +6,7 @@ import torch
 
 from flashdraft import fastpath
 from flashdraft.fastpath import fp8
-from flashdraft.target.tiny import build_tiny_target
+from flashdraft.target.tiny import random_tiny_model
 
 CUDA = torch.cuda.is_available()
 FP8_CAPABLE = CUDA and fp8.unsupported_reason(torch.device("cuda")) is None
@@ -82,7 +82,7 @@ def test_fp8_linear_on_the_gpu_equals_the_float64_product_of_its_operands(fast_a
 
 
 def test_convert_linears_keeps_names_gates_embedding_and_head():
-    model = build_tiny_target("qwen3_5", num_layers=4, dtype=torch.float32)
+    model = random_tiny_model("qwen3_5", num_layers=4, dtype=torch.float32)
     before = {n: p.numel() for n, p in model.named_parameters()}
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     converted = fp8.convert_linears(model.model.layers)
@@ -101,7 +101,7 @@ def test_convert_linears_keeps_names_gates_embedding_and_head():
 
 
 def test_probe_proves_the_fp8_linears_and_names_a_wrong_one():
-    model = build_tiny_target("qwen3_5", num_layers=4, dtype=torch.float32)
+    model = random_tiny_model("qwen3_5", num_layers=4, dtype=torch.float32)
     converted = fp8.convert_linears(model.model.layers)
     report = fastpath.probe(model)
     assert report.fp8 is not None and report.fp8.ok
@@ -120,7 +120,7 @@ def test_probe_proves_the_fp8_linears_and_names_a_wrong_one():
 @pytest.mark.skipif(not FP8_CAPABLE, reason="needs a GPU with FP8 tensor cores")
 def test_probe_proves_fp8_linears_beside_the_fast_kernels_on_the_gpu():
     """The proven path on a GPU: every linear-attention call on a fast kernel and every FP8 linear checked."""
-    model = build_tiny_target("qwen3_5", num_layers=4, dtype=torch.bfloat16, device="cuda")
+    model = random_tiny_model("qwen3_5", num_layers=4, dtype=torch.bfloat16, device="cuda")
     fastpath.enable(model, strict=True)
     converted = fp8.convert_linears(model.model.layers)
     report = fastpath.enable(model, strict=True)

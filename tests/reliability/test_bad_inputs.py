@@ -219,7 +219,7 @@ STORAGE = [
     case("config-s3-attempts-zero", "train --out {out} s3.attempts=0", 2,
          "override s3.attempts=0: s3.attempts = 0: must be >= 1"),
     case("cli-prepare-s3-timeout-zero", "prepare --data {malformed} --s3-read-timeout 0 " + D, 2,
-         "--s3-read-timeout 0: must be > 0"),
+         "--s3-read-timeout 0: s3.read_timeout = 0.0: must be > 0"),
     case("checkpoint-other-format", "train --resume --out {ckpt_future} data.eval_prompts=null", 2,
          "MANIFEST.json: checkpoint format 2, but this flashdraft reads format 1"),
     case("output-held-by-another-run", "train --out {busy}", 4,
@@ -237,7 +237,7 @@ CLI = [
          "--out {out} and log.out={d}/elsewhere disagree"),
     case("cli-override-without-equals", "train --out {out} optim.lr", 2, "override 'optim.lr': expected section.field"),
     case("cli-block-size-1", EVAL + " --target {target} --drafter {drafter} --block-size 1", 2,
-         "--block-size must be >= 2"),
+         "--block-size 1: eval.block_size = 1: must be >= 2"),
     case("cli-resume-without-checkpoint", "train --out {out} --resume", 2,
          "--resume: no checkpoint in {out}/checkpoints"),
     case("cli-doctor-unknown-model", "doctor --model qwen9", 2, "--model 'qwen9': not a tiny family"),
@@ -395,7 +395,7 @@ def corpus(tmp_path_factory) -> dict[str, str]:
 def _models(root: Path, tokenizer) -> dict[str, str]:
     """A tiny Qwen3 target (4 layers, hidden 64, the bundled tokenizer), drafters that fit it or not, broken dirs."""
     from flashdraft.drafter import DFlashDraftModel
-    from flashdraft.target.tiny import build_tiny_target, tiny_config
+    from flashdraft.target.tiny import random_tiny_model, tiny_config
 
     paths = {}
 
@@ -405,7 +405,7 @@ def _models(root: Path, tokenizer) -> dict[str, str]:
         model.save_pretrained(root / name)
         paths[name] = str(root / name)
 
-    target = build_tiny_target("qwen3", num_layers=4, vocab_size=1088, seed=1)
+    target = random_tiny_model("qwen3", num_layers=4, vocab_size=1088, seed=1)
     target.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
     paths["target"] = str(root / "target")

@@ -317,10 +317,10 @@ def test_training_run_writes_no_secret(tmp_path):
 def tiny_models(tmp_path_factory):
     """A tiny Qwen3 target with the bundled tokenizer, and a drafter for it."""
     from flashdraft.drafter import DFlashDraftModel
-    from flashdraft.target.tiny import build_tiny_target
+    from flashdraft.target.tiny import random_tiny_model
 
     root = tmp_path_factory.mktemp("models")
-    target = build_tiny_target("qwen3", num_layers=4, vocab_size=1088, seed=1)
+    target = random_tiny_model("qwen3", num_layers=4, vocab_size=1088, seed=1)
     target.save_pretrained(root / "target")
     bundled.load_tokenizer().save_pretrained(root / "target")
     torch.manual_seed(0)
@@ -360,12 +360,13 @@ def test_remote_code_is_off_by_default():
 
 
 def test_load_target_passes_trust_remote_code_only_when_asked(tiny_models, hf_calls):
-    from flashdraft.target import load_target
+    from flashdraft.config import TargetConfig
+    from flashdraft.target import load_frozen_target
 
-    load_target(tiny_models / "target", target_layer_ids=[1, 2])
+    load_frozen_target(tiny_models / "target", layer_ids=[1, 2])
     assert hf_calls and {trust for _, _, trust in hf_calls} == {False}, hf_calls
     hf_calls.clear()
-    load_target(tiny_models / "target", target_layer_ids=[1, 2], trust_remote_code=True)
+    load_frozen_target(TargetConfig(path=str(tiny_models / "target"), trust_remote_code=True), layer_ids=[1, 2])
     assert hf_calls and {trust for _, _, trust in hf_calls} == {True}, hf_calls
 
 

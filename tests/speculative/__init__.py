@@ -15,7 +15,7 @@ import torch
 from flashdraft import fastpath
 from flashdraft.fastpath.backends import CHUNK_RULE, RECURRENT_RULE
 from flashdraft.fastpath.patch import entry_points, linear_attention_layers
-from flashdraft.target.tiny import build_tiny_target
+from flashdraft.target.tiny import random_tiny_model
 from flashdraft.versions import cache_kwargs
 
 VOCAB = 256
@@ -68,7 +68,7 @@ exact_delta_rule.__flashdraft_backend__ = True
 
 def tiny_target(family: str, dtype=torch.float64, seed: int = 0, **kwargs):
     """A tiny random target; MoE families use the eager experts (grouped_mm has no float64)."""
-    target = build_tiny_target(family, dtype=dtype, seed=seed, **kwargs)
+    target = random_tiny_model(family, dtype=dtype, seed=seed, **kwargs)
     if family in ("qwen3_5_moe", "qwen3_next"):
         target.set_experts_implementation("eager")
     return target

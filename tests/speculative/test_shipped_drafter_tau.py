@@ -8,6 +8,7 @@ from flashdraft import bundled
 from flashdraft.drafter import DFlashDraftModel
 from flashdraft.speculative import generate
 from flashdraft.speculative.prompts import load_prompts
+from flashdraft.target import load_causal_lm
 
 from . import one_thread  # noqa: F401 (autouse fixture)
 
@@ -27,7 +28,7 @@ BAND = 0.03
 
 def measure(dtype: torch.dtype = torch.float32, refine: tuple[int, ...] = ()) -> float:
     """τ over all rounds of the first PROMPTS held-out prompts (greedy, the plain loop)."""
-    target = bundled.build_target(dtype=dtype).eval()
+    target = load_causal_lm(bundled.BUNDLED, dtype=dtype, device="cpu")
     drafter = DFlashDraftModel.from_pretrained(str(bundled.drafter_dir()), dtype=dtype).eval()
     prompts = load_prompts(bundled.eval_prompts(), bundled.load_tokenizer(), PROMPTS)
     lengths = []

@@ -1,4 +1,4 @@
-"""FrozenTarget / load_target: capture == output_hidden_states exactly, truncation, freezing, loading rules."""
+"""FrozenTarget and load_frozen_target: capture == output_hidden_states exactly, truncation, freezing, loading rules."""
 
 import json
 
@@ -8,15 +8,15 @@ import torch
 from flashdraft import fastpath
 from flashdraft.config import TargetConfig, load_config
 from flashdraft.hub import resolve_local_files_only
-from flashdraft.target import FrozenTarget, glue_compile_enabled, load_target
-from flashdraft.target.tiny import build_tiny_target
+from flashdraft.target import FrozenTarget, glue_compile_enabled, load_causal_lm, load_frozen_target
+from flashdraft.target.tiny import random_tiny_model
 
 LAYERS = 8
 
 
 def full_reference(family, dtype, ids, mask=None, seed=0):
     """The untouched model's output_hidden_states (fast path enabled, as on every hybrid target)."""
-    model = build_tiny_target(family, num_layers=LAYERS, dtype=dtype, seed=seed)
+    model = random_tiny_model(family, num_layers=LAYERS, dtype=dtype, seed=seed)
     fastpath.enable(model, strict=False)
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
@@ -29,7 +29,7 @@ def test_capture_equals_output_hidden_states(family, dtype, layer_ids):
     ids = torch.randint(0, 256, (2, 13), generator=g)
     hidden_states = full_reference(family, dtype, ids)
 
-    model = build_tiny_target(family, num_layers=LAYERS, dtype=dtype, seed=0)
+    model = random_tiny_model(family, num_layers=LAYERS, dtype=dtype, seed=0)
     target = FrozenTarget.from_model(model, layer_ids, strict=False)
     lm_head_calls = []
     model.lm_head.register_forward_hook(lambda *_: lm_head_calls.append(1))
@@ -56,7 +56,7 @@ def test_capture_with_right_padding(family):
     mask = torch.ones(2, 11, dtype=torch.long)
     mask[1, 7:] = 0
     hidden_states = full_reference(family, torch.float64, ids, mask)
-    target = FrozenTarget.from_model(build_tiny_target(family, LAYERS, dtype=torch.float64), [1, 4], strict=False)
+    target = FrozenTarget.from_model(random_tiny_model(family, LAYERS, dtype=torch.float64), [1, 4], strict=False)
     features = target.capture(ids, mask)
     expected = torch.cat([hidden_states[2], hidden_states[5]], dim=-1)
     tokens = mask.bool()
@@ -72,11 +72,11 @@ def test_capture_final_hidden_is_the_models_last_state_and_logits(family):
     features stay those of the truncated capture."""
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, 256, (2, 10), generator=g)
-    reference = build_tiny_target(family, num_layers=LAYERS, dtype=torch.float64, seed=0)
+    reference = random_tiny_model(family, num_layers=LAYERS, dtype=torch.float64, seed=0)
     fastpath.enable(reference, strict=False)
     with torch.no_grad():
         out = reference(input_ids=ids, output_hidden_states=True)
-    model = build_tiny_target(family, num_layers=LAYERS, dtype=torch.float64, seed=0)
+    model = random_tiny_model(family, num_layers=LAYERS, dtype=torch.float64, seed=0)
     target = FrozenTarget.from_model(model, [1, 4], strict=False, final_hidden=True)
     assert len(model.model.layers) == LAYERS
     features, final = target.capture(ids, final=True)
@@ -84,13 +84,13 @@ def test_capture_final_hidden_is_the_models_last_state_and_logits(family):
     assert torch.equal(final, out.hidden_states[-1])
     torch.testing.assert_close(final @ target.lm_head_weight.t(), out.logits, rtol=1e-12, atol=1e-12)
     assert torch.equal(target.capture(ids), features)
-    truncated = FrozenTarget.from_model(build_tiny_target(family, LAYERS, dtype=torch.float64), [1, 4], strict=False)
+    truncated = FrozenTarget.from_model(random_tiny_model(family, LAYERS, dtype=torch.float64), [1, 4], strict=False)
     with pytest.raises(ValueError, match="final_hidden"):
         truncated.capture(ids, final=True)
 
 
 def test_frozen_embed_and_lm_head():
-    model = build_tiny_target("qwen3_5", LAYERS, dtype=torch.float64)
+    model = random_tiny_model("qwen3_5", LAYERS, dtype=torch.float64)
     embedding = model.get_input_embeddings().weight.detach().clone()
     target = FrozenTarget.from_model(model, [1, 2], strict=False)
     assert not model.training and not any(p.requires_grad for p in model.parameters())
@@ -106,35 +106,35 @@ def test_frozen_embed_and_lm_head():
 
 def test_layer_id_validation():
     with pytest.raises(ValueError, match=r"out of range.*0\.\.7"):
-        FrozenTarget.from_model(build_tiny_target("qwen3", LAYERS), [1, 8], strict=False)
+        FrozenTarget.from_model(random_tiny_model("qwen3", LAYERS), [1, 8], strict=False)
     with pytest.raises(ValueError, match="non-empty"):
-        FrozenTarget.from_model(build_tiny_target("qwen3", LAYERS), [], strict=False)
+        FrozenTarget.from_model(random_tiny_model("qwen3", LAYERS), [], strict=False)
 
 
 # ---- loading -----------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_load_target_reads_only_kept_layers(tmp_path, family):
-    build_tiny_target(family, LAYERS, seed=3).save_pretrained(tmp_path)
+def test_load_frozen_target_reads_only_kept_layers(tmp_path, family):
+    random_tiny_model(family, LAYERS, seed=3).save_pretrained(tmp_path)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 256, (1, 9), generator=g)
     hidden_states = full_reference(family, torch.float32, ids, seed=3)
 
-    target = load_target(tmp_path, target_layer_ids=[0, 2], device="cpu")
+    target = load_frozen_target(tmp_path, layer_ids=[0, 2], device="cpu")
     assert target.dtype == torch.float32 and target.device.type == "cpu"  # CPU default: fp32
     assert len(target.decoder.layers) == 3 and target.config.num_hidden_layers == LAYERS
     assert not any(name.startswith("model.layers.3.") for name, _ in target.model.named_parameters())
     assert torch.equal(target.capture(ids), torch.cat([hidden_states[1], hidden_states[3]], dim=-1))
     assert target.name_or_path == str(tmp_path)
     # recipe.labels = target loads every layer: the final hidden state is the full model's.
-    whole = load_target(tmp_path, target_layer_ids=[0, 2], device="cpu", final_hidden=True)
+    whole = load_frozen_target(tmp_path, layer_ids=[0, 2], device="cpu", final_hidden=True)
     assert len(whole.decoder.layers) == LAYERS
     features, final = whole.capture(ids, final=True)
     assert torch.equal(features, target.capture(ids)) and torch.equal(final, hidden_states[-1])
 
 
-def test_load_target_multimodal_qwen35_checkpoint(tmp_path):
+def test_load_frozen_target_multimodal_qwen35_checkpoint(tmp_path):
     """The published Qwen3.5 layout: a ConditionalGeneration checkpoint (model.language_model.*, a vision tower).
     Loaded as the text-only causal LM; the vision tower and the dropped layers stay on disk."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
@@ -151,7 +151,7 @@ def test_load_target_multimodal_qwen35_checkpoint(tmp_path):
     with torch.no_grad():
         hidden_states = model.model.language_model(input_ids=ids, output_hidden_states=True).hidden_states
 
-    target = load_target(tmp_path, target_layer_ids=[1, 3], device="cpu")
+    target = load_frozen_target(tmp_path, layer_ids=[1, 3], device="cpu")
     assert type(target.model).__name__ == "Qwen3_5ForCausalLM" and len(target.decoder.layers) == 4
     assert target.config.num_hidden_layers == LAYERS
     assert not any("visual" in name for name, _ in target.model.named_parameters())
@@ -159,35 +159,35 @@ def test_load_target_multimodal_qwen35_checkpoint(tmp_path):
     assert torch.equal(target.lm_head_weight, model.lm_head.weight)
 
 
-def test_load_target_default_layer_ids(tmp_path):
-    build_tiny_target("qwen3", LAYERS).save_pretrained(tmp_path)
-    target = load_target(tmp_path, num_features=3, dtype=torch.float64, device="cpu")
+def test_load_frozen_target_default_layer_ids(tmp_path):
+    random_tiny_model("qwen3", LAYERS).save_pretrained(tmp_path)
+    target = load_frozen_target(tmp_path, num_features=3, dtype=torch.float64, device="cpu")
     assert target.target_layer_ids == [1, 3, 5]  # round(1 + i * (8 - 4) / 2)
     assert target.dtype == torch.float64
 
 
-def test_load_target_errors_name_the_path(tmp_path):
+def test_load_frozen_target_errors_name_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
-        load_target(tmp_path / "does-not-exist")
+        load_frozen_target(tmp_path / "does-not-exist")
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError, match="file"):
-        load_target(tmp_path / "file")
+        load_frozen_target(tmp_path / "file")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match=r"empty has no config\.json"):
-        load_target(empty)
+        load_frozen_target(empty)
     (empty / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
-        load_target(empty)
+        load_frozen_target(empty)
     (empty / "pytorch_model.bin").write_bytes(b"not really a pickle")
     with pytest.raises(ValueError, match=r"only pickle weights \(pytorch_model\.bin\)"):
-        load_target(empty)
+        load_frozen_target(empty)
 
 
 def test_hub_id_offline_by_default(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE=0"):
-        load_target("flashdraft-tests/no-such-model")
+        load_frozen_target("flashdraft-tests/no-such-model")
 
 
 def test_local_files_only_rule(monkeypatch):
@@ -204,11 +204,11 @@ def test_local_files_only_rule(monkeypatch):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_capture_on_gpu_with_fast_path(family):
     ids = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
-    model = build_tiny_target(family, LAYERS, dtype=torch.bfloat16, device="cuda")
+    model = random_tiny_model(family, LAYERS, dtype=torch.bfloat16, device="cuda")
     fastpath.enable(model, strict=True)
     with torch.no_grad():
         hidden_states = model(input_ids=ids, output_hidden_states=True).hidden_states
-    model = build_tiny_target(family, LAYERS, dtype=torch.bfloat16, device="cuda")
+    model = random_tiny_model(family, LAYERS, dtype=torch.bfloat16, device="cuda")
     target = FrozenTarget.from_model(model, [1, 3, 5])  # strict on CUDA: every linear-attention layer fast
     assert target.fastpath_report.ok
     assert torch.equal(target.capture(ids), torch.cat([hidden_states[i + 1] for i in [1, 3, 5]], dim=-1))
@@ -228,7 +228,7 @@ def test_capture_levers_on_gpu(family, lever):
     expected = torch.cat([reference[i + 1] for i in layer_ids], dim=-1)
     errors = {}
     for on in (False, True):
-        model = build_tiny_target(family, LAYERS, dtype=torch.float64).to("cuda", torch.bfloat16)
+        model = random_tiny_model(family, LAYERS, dtype=torch.float64).to("cuda", torch.bfloat16)
         target = FrozenTarget.from_model(model, layer_ids)
         if lever == "compile":
             target.compile_glue(on)
@@ -246,7 +246,7 @@ def test_compiled_glue_keeps_the_features_and_can_be_undone(family):
     `compile_glue(False)` puts every eager forward back."""
     from torch._dynamo.utils import counters
 
-    model = build_tiny_target(family, LAYERS, dtype=torch.float32)
+    model = random_tiny_model(family, LAYERS, dtype=torch.float32)
     target = FrozenTarget.from_model(model, [1, 3], strict=False)
     lengths = (24, 40)
     ids = {n: torch.randint(0, 256, (2, n), generator=torch.Generator().manual_seed(n)) for n in lengths}
@@ -318,7 +318,7 @@ def test_fp8_features_of_the_bundled_target_stay_within_bound():
     layers = [1, 3, 5, 7]
 
     def features(dtype, precision):
-        model = bundled.build_target(dtype=dtype)
+        model = load_causal_lm(bundled.BUNDLED, dtype=dtype, device="cpu")
         if precision == "fp8":
             assert fp8.convert_linears(model.model.layers)
         target = FrozenTarget.from_model(model, layers, strict=False)
@@ -337,7 +337,7 @@ def test_fp8_features_of_the_bundled_target_stay_within_bound():
 def test_fp8_needs_an_fp8_device_and_a_bf16_target():
     from flashdraft.config import ConfigError
 
-    target = FrozenTarget.from_model(build_tiny_target("qwen3", 4, dtype=torch.float32), [1, 2], strict=False)
+    target = FrozenTarget.from_model(random_tiny_model("qwen3", 4, dtype=torch.float32), [1, 2], strict=False)
     with pytest.raises(ConfigError, match=r"target.precision = fp8: the cpu device has no FP8") as err:
         target.configure(TargetConfig(path="t", precision="fp8"))
     assert err.value.field == "target.precision" and target.precision == "bf16"
@@ -358,7 +358,7 @@ def test_fp8_refused_on_the_cpu_before_the_target_loads(tmp_path, monkeypatch):
     from flashdraft.config import ConfigError
     from flashdraft.train import setup
 
-    monkeypatch.setattr(setup, "build_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(setup, "load_frozen_target", lambda *a, **k: pytest.fail("the target was loaded"))
     cfg = load_config(bundled.ASSETS / "train.yaml", ["target.precision=fp8", f"log.out={tmp_path}"])
     with pytest.raises(ConfigError, match="target.precision = fp8: the cpu device"):
         setup.load_inputs(cfg, tmp_path, console=None)
@@ -375,9 +375,9 @@ def test_fp8_target_on_the_gpu(family):
     if fp8.unsupported_reason(torch.device("cuda")) is not None:
         pytest.skip(fp8.unsupported_reason(torch.device("cuda")))
     ids = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
-    bf16 = FrozenTarget.from_model(build_tiny_target(family, LAYERS, dtype=torch.bfloat16, device="cuda"), [1, 3, 5])
+    bf16 = FrozenTarget.from_model(random_tiny_model(family, LAYERS, dtype=torch.bfloat16, device="cuda"), [1, 3, 5])
     expected = bf16.capture(ids).float()
-    target = FrozenTarget.from_model(build_tiny_target(family, LAYERS, dtype=torch.bfloat16, device="cuda"), [1, 3, 5])
+    target = FrozenTarget.from_model(random_tiny_model(family, LAYERS, dtype=torch.bfloat16, device="cuda"), [1, 3, 5])
     target.configure(TargetConfig(path="t", precision="fp8", compile=False))
     assert target.precision == "fp8" and target.fastpath_report.ok and target.fastpath_report.fp8.proven > 0
     eager = target.capture(ids).float()
@@ -401,7 +401,7 @@ def test_compiled_glue_of_an_fp8_target_keeps_its_features():
 
     from flashdraft.fastpath import fp8
 
-    model = build_tiny_target("qwen3_5", LAYERS, dtype=torch.float32)
+    model = random_tiny_model("qwen3_5", LAYERS, dtype=torch.float32)
     fp8.convert_linears(model.model.layers)
     target = FrozenTarget.from_model(model, [1, 3], strict=False)
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))

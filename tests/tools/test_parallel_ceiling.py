@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from flashdraft.target.tiny import build_tiny_target
+from flashdraft.target.tiny import random_tiny_model
 from tests.scripts import TOOLS, load_script
 
 VOCAB, DRAFTS = 5, 3
@@ -23,7 +23,7 @@ def ceiling():
 def target(ceiling):
     # Large initial weights: peaked distributions that change with every token before them (a small init gives
     # nearly uniform ones, where marginals and conditionals agree and every draft would be accepted).
-    model = build_tiny_target("qwen3_5", vocab_size=VOCAB, dtype=torch.float64, seed=0, initializer_range=0.5)
+    model = random_tiny_model("qwen3_5", vocab_size=VOCAB, dtype=torch.float64, seed=0, initializer_range=0.5)
     return ceiling.Target(model.requires_grad_(False), temperature=1.0)
 
 

@@ -54,13 +54,13 @@ def _free_port() -> int:
 
 # Rank 1 fails while loading the target; rank 0 is busy tokenising (a sleep standing for hours of it).
 FAIL_ON_RANK_1_WHILE_RANK_0_WORKS = """
-    import flashdraft.data, flashdraft.bundled
+    import flashdraft.data, flashdraft.target.load
 
     if RANK == "1":
         def boom(*args, **kwargs):
             raise ValueError("injected failure on rank 1")
 
-        flashdraft.bundled.build_target = boom
+        flashdraft.target.load.target_directory = boom
     if RANK == "0":
         import time
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from flashdraft import bundled
 from flashdraft.config import load_config, to_dict
+from flashdraft.target import load_causal_lm
 from flashdraft.train import loop
 from tests.train.drawn import curve_pixels
 
@@ -385,7 +386,7 @@ def test_target_labels_reach_the_loss_as_the_targets_final_states(monkeypatch):
 
     _, _, finite = loop.train_step(s, cfg, _NoUpdate(s.drafter), 0)
     assert finite and len(seen["losses"]) == 2
-    full = bundled.build_target(dtype=torch.float32)
+    full = load_causal_lm(bundled.BUNDLED, dtype=torch.float32, device="cpu")
     checked = 0
     for (ids, attn), batch, (labels, teacher) in zip(seen["ids"], seen["batches"], seen["losses"], strict=True):
         with torch.no_grad():

@@ -9,7 +9,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 from flashdraft.drafter import DFlashDraftModel
 from flashdraft.drafter.attention import FLEX_BLOCK
-from flashdraft.target.tiny import build_tiny_target, tiny_config
+from flashdraft.target.tiny import random_tiny_model, tiny_config
 from flashdraft.train.blocks import build_blocks, sample_anchors
 from flashdraft.train.masks import (
     attention_kind,
@@ -168,7 +168,7 @@ def test_attention_kind_per_device():
 
 def test_layer_mask_rules():
     drafter = DFlashDraftModel.from_target(
-        build_tiny_target("qwen3", 4).config,
+        random_tiny_model("qwen3", 4).config,
         num_layers=2,
         block_size=BS,
         target_layer_ids=[1, 2],

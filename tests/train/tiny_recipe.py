@@ -6,7 +6,7 @@ import torch
 
 from flashdraft.drafter import DFlashDraftModel
 from flashdraft.target import FrozenTarget
-from flashdraft.target.tiny import build_tiny_target
+from flashdraft.target.tiny import random_tiny_model
 from flashdraft.train.blocks import build_blocks
 from flashdraft.train.masks import dense_block_mask
 
@@ -18,7 +18,7 @@ FAMILIES = ["qwen3", "qwen3_5"]
 def build(family: str):
     """(target, drafter, ids, batch, features): target features of layers 1, 3, 5; the second sequence is padded."""
     target = FrozenTarget.from_model(
-        build_tiny_target(family, num_layers=8, dtype=torch.float64), [1, 3, 5], strict=False
+        random_tiny_model(family, num_layers=8, dtype=torch.float64), [1, 3, 5], strict=False
     )
     torch.manual_seed(1)
     drafter = DFlashDraftModel.from_target(

@@ -262,21 +262,21 @@ def test_engine_choice():
     """auto (None) is the engine on a CUDA target it supports and the plain loop elsewhere; on (True) insists and
     says why it cannot; off (False) never uses it."""
     from flashdraft.speculative.generate import use_engine
-    from flashdraft.target.tiny import build_tiny_target
+    from flashdraft.target.tiny import random_tiny_model
 
-    cpu = build_tiny_target("qwen3_5")
+    cpu = random_tiny_model("qwen3_5")
     assert use_engine(cpu, None) is False
     assert use_engine(cpu, True) is True  # the engine runs on the CPU too, eagerly
     assert use_engine(cpu, False) is False
-    moe = build_tiny_target("qwen3_5_moe")
+    moe = random_tiny_model("qwen3_5_moe")
     assert use_engine(moe, None) is False
     with pytest.raises(ValueError, match="MoE"):
         use_engine(moe, True)
     if torch.cuda.is_available():
-        assert use_engine(build_tiny_target("qwen3_5", device="cuda"), None) is True
+        assert use_engine(random_tiny_model("qwen3_5", device="cuda"), None) is True
     # The engine runs each model in its own dtype: a float32 drafter (training's master weights) beside a bf16
     # target takes the plain loop under auto, and on names both dtypes.
-    bf16 = build_tiny_target("qwen3_5").to(torch.bfloat16)
+    bf16 = random_tiny_model("qwen3_5").to(torch.bfloat16)
     drafter = random_drafter(bf16, block_size=4).float()
     with pytest.raises(ValueError, match="drafter is torch.float32 and the target torch.bfloat16"):
         use_engine(bf16, True, drafter)

@@ -6,7 +6,7 @@ import torch
 
 from flashdraft.speculative.engine import ops
 from flashdraft.speculative.engine.target_runner import TargetEngine, unsupported_reason
-from flashdraft.target.tiny import build_tiny_target
+from flashdraft.target.tiny import random_tiny_model
 from flashdraft.versions import cache_kwargs
 
 from .. import one_thread, ready, tiny_target  # noqa: F401 (one_thread: autouse fixture)
@@ -105,12 +105,12 @@ def test_prefill_features_are_the_hidden_states_of_the_feature_layers(family):
 
 
 def test_unsupported_targets_are_named():
-    moe = build_tiny_target("qwen3_5_moe")
+    moe = random_tiny_model("qwen3_5_moe")
     assert "MoE" in unsupported_reason(moe)
     with pytest.raises(ValueError, match="cannot run this target"):
         TargetEngine(moe, max_len=16, block_size=4)
-    assert unsupported_reason(build_tiny_target("qwen3_5")) is None
-    assert unsupported_reason(build_tiny_target("qwen3")) is None
+    assert unsupported_reason(random_tiny_model("qwen3_5")) is None
+    assert unsupported_reason(random_tiny_model("qwen3")) is None
 
 
 def test_bad_arguments():
