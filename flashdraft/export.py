@@ -1,10 +1,14 @@
-"""`flashdraft export`: write a drafter that SGLang, vLLM and the reference `dflash` package load.
+"""`flashdraft export`: write a drafter that SGLang, vLLM, speculators and the reference `dflash` package load.
 
     flashdraft export --drafter runs/qwen3.5-27b/final --out exports/qwen3.5-27b-dflash --target Qwen/Qwen3.5-27B
+    flashdraft export --drafter runs/dspark --out exports/dspark --target /models/Qwen3.5-27B   # DeepSpec's layout
+    flashdraft export --drafter runs/dspark --out exports/dspark-spec --layout speculators --target /models/...
 
-The output directory holds `config.json` + `model.safetensors` in the reference format and a `README.md` with
-the serving command lines. With `--target` (a local model directory or its config.json) the drafter is checked
-against the target first: hidden size, vocabulary, captured layers. Errors exit with code 2 and one message.
+The output directory holds `config.json` + `model.safetensors` in a layout (`flashdraft.drafter.layouts`: by
+default the one the serving engines read for the drafter's family: the reference `dflash` layout, or DeepSpec's
+for DSpark, which carries the target's embedding and LM head) and a `README.md` with the serving command lines.
+With `--target` (a local model directory or its config.json) the drafter is checked against the target first:
+hidden size, vocabulary, captured layers. Errors exit with code 2 and one message.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 from transformers import Qwen3Config
 
 from flashdraft.drafter.config import draft_value, validate_draft_config
+from flashdraft.drafter.layouts import check_layout, write_layout
 from flashdraft.drafter.model import DFlashDraftModel
 from flashdraft.io.atomic import atomic_directory
 
@@ -28,9 +33,13 @@ class ExportError(ValueError):
 
 
 def export_drafter(
-    drafter_dir: str | os.PathLike, out_dir: str | os.PathLike, target: str | os.PathLike | None = None
+    drafter_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    target: str | os.PathLike | None = None,
+    layout: str | None = None,
 ) -> Path:
-    """Check the drafter (against `target` when given) and write it to `out_dir` atomically; return `out_dir`."""
+    """Check the drafter (against `target` when given) and write it to `out_dir` atomically in `layout` (None: its
+    family's serving layout); return `out_dir`."""
     if not (Path(drafter_dir) / "config.json").is_file():
         raise ExportError(f"--drafter {drafter_dir}: no config.json there (give a local drafter checkpoint directory)")
     config = Qwen3Config.from_pretrained(drafter_dir)
@@ -43,10 +52,18 @@ def export_drafter(
         if problems:
             raise ExportError(f"drafter {drafter_dir} does not fit target {target}:\n  " + "\n  ".join(problems))
     drafter = DFlashDraftModel.from_pretrained(drafter_dir)
+    try:
+        layout = check_layout(drafter.family, layout)
+    except ValueError as err:
+        raise ExportError(f"--drafter {drafter_dir}: {err}") from None
+    target_dir = None if target is None else (Path(target) if Path(target).is_dir() else Path(target).parent)
     out = Path(out_dir)
     with atomic_directory(out) as tmp:
-        drafter.write_checkpoint(tmp)
-        (tmp / "README.md").write_text(readme(drafter, out, target))
+        try:
+            write_layout(drafter, tmp, layout, target_dir)
+        except ValueError as err:
+            raise ExportError(f"{layout} layout: {err}") from None
+        (tmp / "README.md").write_text(readme(drafter, out, target, layout))
     return out
 
 
@@ -108,27 +125,43 @@ def check_against_target(drafter_config: Qwen3Config, target: dict) -> list[str]
     return problems
 
 
-def serve_commands(drafter_path: str, block_size: int, target: str = PLACEHOLDER_TARGET) -> dict[str, str]:
-    """Command lines serving `target` with this drafter: {"sglang": ..., "vllm": ...}."""
-    spec = {"method": "dflash", "model": drafter_path, "num_speculative_tokens": block_size - 1}
+def serve_commands(
+    drafter_path: str,
+    block_size: int,
+    target: str = PLACEHOLDER_TARGET,
+    family: str = "dflash",
+    drafts: int | None = None,
+) -> dict[str, str]:
+    """Command lines serving `target` with this drafter: {"sglang": ..., "vllm": ...}. `drafts`: per block
+    (default block_size - 1; a DSpark drafter whose anchor slot drafts has block_size)."""
+    drafts = block_size - 1 if drafts is None else drafts
+    spec = {"method": family, "model": drafter_path, "num_speculative_tokens": drafts}
     spec = shlex.quote(json.dumps(spec, separators=(",", ":")))
     target, drafter_path = shlex.quote(target), shlex.quote(drafter_path)
-    return {
-        "sglang": (
-            f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-            f"--speculative-draft-model-path {drafter_path} --speculative-num-draft-tokens {block_size}"
-        ),
-        "vllm": f"vllm serve {target} --speculative-config {spec}",
-    }
+    algorithm, size = (
+        ("DSPARK", "--speculative-dspark-block-size")
+        if family == "dspark"
+        else ("DFLASH", "--speculative-num-draft-tokens")
+    )
+    sglang = (
+        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
+        f"--speculative-draft-model-path {drafter_path} {size} {block_size}"
+    )
+    return {"sglang": sglang, "vllm": f"vllm serve {target} --speculative-config {spec}"}
 
 
-def readme(drafter: DFlashDraftModel, out: Path, target: str | os.PathLike | None) -> str:
-    commands = serve_commands(str(out.resolve()), drafter.block_size, str(target) if target else PLACEHOLDER_TARGET)
-    return f"""# DFlash drafter
+def readme(drafter: DFlashDraftModel, out: Path, target: str | os.PathLike | None, layout: str = "reference") -> str:
+    target_name = str(target) if target else PLACEHOLDER_TARGET
+    commands = serve_commands(str(out.resolve()), drafter.block_size, target_name, drafter.family, drafter.num_drafts)
+    name, paper = {
+        "dflash": ("DFlash", "[DFlash](https://arxiv.org/abs/2602.06036)"),
+        "dspark": ("DSpark", "[DSpark](https://arxiv.org/abs/2607.05147): DFlash with a Markov and a confidence head"),
+    }[drafter.family]
+    return f"""# {name} drafter
 
-A block-diffusion drafter ([DFlash](https://arxiv.org/abs/2602.06036)) for speculative decoding, exported by
-flashdraft. It drafts {drafter.block_size - 1} tokens per step from the target's hidden states of layers
-{drafter.target_layer_ids} (of {drafter.num_target_layers}); it uses the target's embedding and LM head.
+A block-diffusion drafter ({paper}) for speculative decoding, exported by flashdraft in the {layout} layout. It
+drafts {drafter.num_drafts} tokens per step from the target's hidden states of layers {drafter.target_layer_ids}
+(of {drafter.num_target_layers}); it uses the target's embedding and LM head.
 
 | field | value |
 |---|---|
@@ -151,6 +184,15 @@ vLLM:
 {commands["vllm"]}
 ```
 
-Replace the drafter path with the Hub id once uploaded. The reference `dflash` package loads it with
-`dflash.DFlashDraftModel.from_pretrained(path)`.
+Replace the drafter path with the Hub id once uploaded.{LOADERS[layout]}
 """
+
+
+LOADERS = {
+    "reference": " The reference `dflash` package loads it with `dflash.DFlashDraftModel.from_pretrained(path)`.",
+    "deepspec": " vLLM and SGLang load it as `Qwen3DSparkModel` (only its vanilla Markov head is served).",
+    "speculators": (
+        " speculators loads it with `speculators.SpeculatorModel.from_pretrained(path)`, the embedding and LM head "
+        "from the verifier its config names."
+    ),
+}

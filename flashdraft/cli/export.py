@@ -14,6 +14,7 @@ SHORTCUTS = (
     Shortcut("export.drafter", metavar="D"),
     Shortcut("export.out", metavar="DIR"),
     Shortcut("target.path", flag="--target", metavar="T"),
+    Shortcut("export.layout"),
 )
 
 
@@ -34,6 +35,7 @@ def execute(cfg, args: argparse.Namespace) -> int:
 
     from flashdraft import bundled
     from flashdraft.drafter.config import draft_value
+    from flashdraft.drafter.families import draft_offset, family_of
     from flashdraft.export import PLACEHOLDER_TARGET, export_drafter, serve_commands
 
     options.require(args, cfg, "export.drafter", "export.out")
@@ -43,13 +45,14 @@ def execute(cfg, args: argparse.Namespace) -> int:
         run = options.training_run(cfg.export.drafter)
         drafter = run[0] if run is not None else cfg.export.drafter
         check = str(bundled.target_dir()) if target == bundled.BUNDLED else target
-        out = export_drafter(drafter, cfg.export.out, target=check)
+        layout = None if cfg.export.layout == "auto" else cfg.export.layout
+        out = export_drafter(drafter, cfg.export.out, target=check, layout=layout)
     except (ValueError, OSError) as err:
         print(f"flashdraft export: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    drafter_config = Qwen3Config.from_pretrained(out)
-    commands = serve_commands(
-        str(out.resolve()), draft_value(drafter_config, "block_size"), target or PLACEHOLDER_TARGET
-    )
+    config = Qwen3Config.from_pretrained(drafter)
+    block = draft_value(config, "block_size")
+    drafts = block - 1 + draft_offset(config)
+    commands = serve_commands(str(out.resolve()), block, target or PLACEHOLDER_TARGET, family_of(config), drafts)
     print(f"exported {out}\n  SGLang: {commands['sglang']}\n  vLLM:   {commands['vllm']}")
     return EXIT_OK

@@ -26,6 +26,7 @@ COMMAND_CHOICES: dict[str, tuple[str, ...]] = {
     "eval.verify": ("block", "token"),
     "regenerate.device": DEVICES,
     "regenerate.backend": ("auto", "hf", "vllm", "sglang"),
+    "export.layout": ("auto", "reference", "deepspec", "speculators"),
 }
 
 
@@ -139,6 +140,11 @@ class ExportCommand:
     (its latest complete checkpoint)."""
     out: str | None = None
     """Output directory, replaced atomically."""
+    layout: str = "auto"
+    """The checkpoint layout: auto (what the serving engines read for the drafter's family: reference for DFlash,
+    deepspec for DSpark) | reference (the dflash package's; DFlash) | deepspec (DeepSpec's; DSpark, with copies of
+    the target's embedding and LM head, so it needs the target's directory) | speculators (speculators 0.9's;
+    DFlash and DSpark, naming the target as its verifier)."""
 
 
 @dataclass(kw_only=True)

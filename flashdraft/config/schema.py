@@ -12,6 +12,7 @@ from typing import Any
 
 from flashdraft.config import commands
 from flashdraft.config.commands import COMMAND_CHOICES, command_checks, either, field_value
+from flashdraft.config.families import FAMILY_CHOICES, DSparkHeads, DSparkLoss, family_checks
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "target.dtype": ("auto", "bfloat16", "float16", "float32"),
     "data.format": ("auto", "chat", "sharegpt", "text", "tokenized"),
     "data.overlong": ("truncate", "drop"),
+    **FAMILY_CHOICES,
     **COMMAND_CHOICES,
 }
 
@@ -93,6 +95,11 @@ class DrafterConfig:
     trained for the bundled target)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Qwen3 config fields of the drafter that differ from the target's (e.g. intermediate_size)."""
+    family: str = "dflash"
+    """dflash (the backbone alone) | dspark (the backbone with DSpark's Markov and confidence heads, drafter.dspark;
+    its loss, recipe.dspark). With drafter.init_from of another family, its backbone is kept and the heads start
+    new."""
+    dspark: DSparkHeads = field(default_factory=DSparkHeads)
 
 
 @dataclass(kw_only=True)
@@ -160,6 +167,7 @@ class RecipeConfig:
     after them are learned, weighted as if the block started there. A drafter trained so can draft a block in
     several passes, each re-drafting the positions after the drafts it keeps (`flashdraft eval --refine`);
     0 (the paper's) trains single-pass drafting only."""
+    dspark: DSparkLoss = field(default_factory=DSparkLoss)
 
 
 @dataclass(kw_only=True)
@@ -349,6 +357,7 @@ class RunConfig:
                 self.log.eval_every >= 0 and self.log.eval_every % self.log.every == 0,
                 f"must be 0 or a multiple of log.every ({self.log.every}): τ is reported in that step's metrics",
             ),
+            *family_checks(self),
             *command_checks(self, COMMAND_CHOICES),
         ]
         for name, ok, why in checks:
