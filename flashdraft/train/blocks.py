@@ -197,7 +197,7 @@ def build_blocks(
     reveals: Sequence[torch.Tensor] | None = None,
     offset: int = 0,
 ) -> DraftBatch:
-    """Pack one block per anchor (see `DraftBatch`); `gamma` defaults to `gamma_for(block_size)`.
+    """Pack one block per anchor (see `DraftBatch`); `gamma` defaults to `gamma_for(block_size + offset)`.
 
     `input_ids`/`loss_mask` are (B, T), right-padded (padding has loss_mask 0). `anchors` is a list of per-sequence
     (A_b,) tensors (e.g. from `sample_anchors`) or a (B, A) tensor padded with PAD_ANCHOR. `num_blocks` pads every
@@ -219,7 +219,8 @@ def build_blocks(
     valid = anchors >= 0
     if bool((anchors[valid] >= length).any()) or bool((anchors < PAD_ANCHOR).any()):
         raise ValueError(f"anchors must lie in [0, {length - 1}] (or be {PAD_ANCHOR} for padding), got {anchors}")
-    gamma = gamma_for(block_size) if gamma is None else float(gamma)
+    # The decay of as many drafts as a DFlash block of block_size + offset has.
+    gamma = gamma_for(block_size + offset) if gamma is None else float(gamma)
     num_blocks = anchors.shape[1]
 
     k = torch.arange(block_size, device=device)

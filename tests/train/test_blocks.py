@@ -9,7 +9,9 @@ import torch
 from flashdraft.train.blocks import (
     IGNORE_INDEX,
     PAD_ANCHOR,
+    anchor_candidates,
     anchor_generator,
+    before_labels,
     build_blocks,
     gamma_for,
     sample_anchors,
@@ -128,6 +130,40 @@ def test_build_blocks_reveals_a_prefix():
     torch.testing.assert_close(wide.weights[0, 3:5], torch.tensor([1.0, e1]))
     with pytest.raises(ValueError, match="one count per anchor"):
         build_blocks(ids, loss_mask, anchors, BS, M, reveals=[torch.tensor([1]), torch.tensor([1])])
+
+
+def test_build_blocks_whose_anchor_slot_drafts():
+    """Offset 1 (DSpark's convention): slot k learns the token at p + k + 1, the anchor's slot included, weighted
+    exp(-k / γ); the token before each label is the slot's own input; the default γ counts the drafts."""
+    ids = torch.tensor([list(range(10, 20)), list(range(20, 30))])
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1, 1, 1]])
+    anchors = [torch.tensor([3, 5]), torch.tensor([6])]
+    batch = build_blocks(ids, loss_mask, anchors, BS, M, gamma=2.0, offset=1)
+    x, e1, e2, e3 = IGNORE_INDEX, math.exp(-1 / 2), math.exp(-2 / 2), math.exp(-3 / 2)
+
+    assert batch.block_ids.tolist() == [[13, M, M, M, 15, M, M, M], [26, M, M, M, M, M, M, M]]
+    # Row 0: block 0 learns 14..17, block 1 learns 16 and 17 (18, 19 are not response). Row 1: 10 is past the end.
+    assert batch.labels.tolist() == [[14, 15, 16, 17, 16, 17, x, x], [27, 28, 29, x, x, x, x, x]]
+    torch.testing.assert_close(
+        batch.weights,
+        torch.tensor([[1, e1, e2, e3, 1, e1, 0, 0], [1, e1, e2, 0, 0, 0, 0, 0]], dtype=torch.float32),
+    )
+    assert batch.label_positions[0, :4].tolist() == [4, 5, 6, 7]
+    before = before_labels(ids, batch)
+    assert before[0, :4].tolist() == [13, 14, 15, 16] and before[1, :3].tolist() == [26, 27, 28]
+    # Anchors leave room for the last label: with offset 1 the last anchor of a 10-token response is 10 - bs - 1.
+    assert anchor_candidates(torch.ones(10), BS, offset=1).tolist() == [1, 2, 3, 4, 5]
+    assert anchor_candidates(torch.ones(10), BS).tolist() == [1, 2, 3, 4, 5, 6]
+    # The decay of 16 drafts: DFlash's for a block of 17.
+    default = build_blocks(ids, loss_mask, [torch.tensor([3]), torch.tensor([3])], 16, M, offset=1)
+    assert default.weights[0, 1].item() == pytest.approx(math.exp(-1 / gamma_for(17)))
+    # Revealing r shows p + 1 … p + r in slots 1 … r: those tokens are no slot's label any more.
+    shown = build_blocks(
+        ids, loss_mask, anchors, BS, M, gamma=2.0, reveals=[torch.tensor([2, 0]), torch.tensor([0])], offset=1
+    )
+    assert shown.block_ids[0, :4].tolist() == [13, 14, 15, M]
+    assert shown.labels[0, :4].tolist() == [x, x, 16, 17]
+    torch.testing.assert_close(shown.weights[0, :4], torch.tensor([0, 0, 1, e1]))
 
 
 def test_sample_reveals():
