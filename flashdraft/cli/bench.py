@@ -1,4 +1,4 @@
-"""`flashdraft bench train-step`: the arguments of the command, then flashdraft.train.step_timing's timing of the
+"""`flashdraft bench train-step`: the arguments of the command, then flashdraft.benchmarks.train_step's timing of the
 training step (which says what it measures) on the config's target and drafter, printed as a table and written as
 JSON."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from flashdraft.benchmarks.train_step import bench_setup, load_bench_target, machine, run_train_step, table
 from flashdraft.cli.exit_codes import EXIT_OK
-from flashdraft.train.step_timing import bench_setup, load_bench_target, machine, run_train_step, table
 
 
 def add_parser(sub) -> None:
@@ -48,7 +48,7 @@ def run(args) -> int:
         f"{cfg.recipe.num_anchors} anchors x {s.drafter.block_size}",
         flush=True,
     )
-    from flashdraft.train.flops import describe
+    from flashdraft.telemetry.flops import describe
 
     if (basis := describe(s.device, s.peak)) is not None:
         print(basis, flush=True)

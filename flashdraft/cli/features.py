@@ -28,9 +28,8 @@ def run(args) -> int:
 
     from rich.console import Console
 
-    from flashdraft import bundled
+    from flashdraft import bundled, distributed
     from flashdraft.config import load_config
-    from flashdraft.train import distributed
 
     if args.nproc is not None and not distributed.launched():
         return distributed.launch(args.nproc, relaunch_argv(args, "features"))

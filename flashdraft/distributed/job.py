@@ -33,7 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from flashdraft.ranks import World, world
+from flashdraft.distributed.ranks import World, world
 
 logger = logging.getLogger(__name__)
 
