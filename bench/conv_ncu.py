@@ -80,7 +80,7 @@ def workload(configs: list[str], manifest_path: str, activation: str | None = "s
         from causal_conv1d import causal_conv1d_fn as dao_fn
     except ImportError:
         dao_fn = None
-    tuner = forward._tuned_kernel("rows", 2)
+    tuner = forward.autotuned_kernel("rows", 2)
     shipped = list(tuner.configs)
     torch.manual_seed(0)
     w = (torch.randn(D, W, device="cuda") * 0.5).bfloat16()

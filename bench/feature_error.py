@@ -26,9 +26,9 @@ import torch
 from bench import naive_train_step as naive
 from bench.train_step import build_target as build_random_target
 from flashdraft import bundled
+from flashdraft.benchmarks import train_step as step_timing
 from flashdraft.fastpath import fp8
 from flashdraft.target import FrozenTarget, load_causal_lm
-from flashdraft.train import step_timing
 
 
 def text_ids(rows: int, length: int, vocab: int | None = None) -> torch.Tensor:

@@ -116,7 +116,7 @@ def _tuned_configs() -> dict:
 
     out = {}
     for name, mod in (("fwd", forward), ("bwd", backward)):
-        for (kind, size), tuner in mod._tuned.items():
+        for (kind, size), tuner in mod.autotuned_kernel.built.items():
             for key, cfg in tuner.cache.items():
                 out[f"{name}-{kind}-{size}B-{key[:3]}"] = f"{cfg.kwargs} warps={cfg.num_warps}"
     return out
@@ -288,7 +288,7 @@ def sweep_forward_configs(shapes=FWD_SHAPES, repeat: int = 3) -> list[dict]:
     from flashdraft.kernels import causal_conv1d_fn
     from flashdraft.kernels.causal_conv1d import forward
 
-    tuner = forward._tuned_kernel("rows", 2)
+    tuner = forward.autotuned_kernel("rows", 2)
     shipped = list(tuner.configs)
     torch.manual_seed(0)
     w = (torch.randn(D, W, device=DEVICE) * 0.5).bfloat16()
@@ -312,7 +312,7 @@ def sweep_backward_configs(shapes=FWD_SHAPES, repeat: int = 3) -> list[dict]:
     from flashdraft.kernels import causal_conv1d_fn
     from flashdraft.kernels.causal_conv1d import backward
 
-    tuner = backward._tuned_kernel("rows", 2)
+    tuner = backward.autotuned_kernel("rows", 2)
     shipped = list(tuner.configs)
     torch.manual_seed(1)
     w = (torch.randn(D, W, device=DEVICE) * 0.5).bfloat16().requires_grad_()

@@ -5,7 +5,7 @@ HF model (all of them held), a 5-layer drafter with the target's sizes in plain 
 (K/V repeated to the query heads), full-vocabulary logits and plain cross-entropy, fused AdamW; the target runs fla's
 delta rule and fla's conv (`bench.anchors.fla_kernels`), so the anchor is not slowed by transformers' torch
 fallbacks. The sizes come from `Dims` (so `--smoke` runs it tiny on a CPU), and the step calls `mark(phase)` at the
-phase boundaries of `flashdraft.train.step_timing`: the loss and its backward are timed apart from the drafter's
+phase boundaries of `flashdraft.benchmarks.train_step`: the loss and its backward are timed apart from the drafter's
 backward by differentiating the loss with respect to a detached copy of the drafter output first (the same kernels
 run; only the order of the two backward halves is fixed).
 """

@@ -22,7 +22,7 @@ captured layer is 61), then per sequence length, 512 anchors x 16, batch 1:
   --profile-target  GPU time of one `FrozenTarget.capture` by kernel family and the top kernels (where the target
                forward, most of a long-sequence step, goes)
 Each: warmup steps, then timed steps: median wall seconds per step (synchronised), sequence tokens/s, MFU of one FLOP
-count per length (the cost model of `flashdraft.train.flops.step_flops`, printed; docs/benchmarks.md explains it),
+count per length (the cost model of `flashdraft.telemetry.flops.step_flops`, printed; docs/benchmarks.md explains it),
 peak GPU memory of the timed steps, CUDA-event breakdown by phase. A variant that runs out of GPU memory is
 recorded as OOM (the naive trainer does from about 65536 tokens: it holds every layer's hidden states), and the run
 goes on. Extra arguments `section.field=value` override flashdraft's config (e.g. train.compile=false).
@@ -43,7 +43,7 @@ import torch
 
 from bench import naive_train_step as naive
 from bench.anchors import fla_kernels
-from flashdraft.train import step_timing
+from flashdraft.benchmarks import train_step as step_timing
 
 MASK_TOKEN = 248070
 
@@ -116,7 +116,7 @@ def flashdraft_config(d: naive.Dims, seq: int, device: str, overrides: list[str]
 def cost_flops(model, d: naive.Dims, seq: int, cfg) -> float:
     """One FLOP count per length for both variants: `flops.step_flops` on the target and a meta-device drafter."""
     from flashdraft.drafter import DFlashDraftModel
-    from flashdraft.train.flops import step_flops
+    from flashdraft.telemetry.flops import step_flops
 
     with torch.device("meta"):
         drafter = DFlashDraftModel.from_target(
@@ -199,7 +199,7 @@ def run_naive(model, d, seq, device, dtype, warmup, steps, flops) -> dict:
 
 
 def fbench_peak(device: str):
-    from flashdraft.train.flops import device_peak
+    from flashdraft.telemetry.flops import device_peak
 
     peak = device_peak(torch.device(device))
     return peak.flops if peak else None

@@ -471,7 +471,7 @@ def _tail(log: Path, n: int = 3000) -> str:
 
 def soak(workdir: str | os.PathLike, *, kills: int = 20, seed: int = 0, steps: int = 40) -> Summary:
     """Run the whole soak in `workdir` (reference/, crashed/, logs/); see the module docstring."""
-    from flashdraft.train.metrics import read_metrics
+    from flashdraft.telemetry.metrics import read_metrics
 
     started = time.monotonic()
     workdir = Path(workdir)
@@ -567,7 +567,7 @@ def compare_final(ref_out: Path, out: Path, steps: int, summary: Summary, checke
     import torch
     from safetensors.torch import load_file
 
-    from flashdraft.train.metrics import read_metrics
+    from flashdraft.telemetry.metrics import read_metrics
 
     checker.check_records("final", steps, final=True)
     checker.after_kill("final", out / "none")  # the checkpoint invariants once more, with the run complete

@@ -1,6 +1,6 @@
 """`flashdraft bench train-step`: the config of a training run (data.max_length is the sequence length) and the
-bench section, then flashdraft.train.step_timing's timing of the training step (which says what it measures) on
-the config's target and drafter, printed as a table and written as JSON."""
+bench section, then flashdraft.benchmarks.train_step's timing of the training step (which says what it
+measures) on the config's target and drafter, printed as a table and written as JSON."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
 def execute(cfg, args) -> int:
     import logging
 
-    from flashdraft.train.step_timing import bench_setup, load_bench_target, machine, run_train_step, table
+    from flashdraft.benchmarks.train_step import bench_setup, load_bench_target, machine, run_train_step, table
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     b = cfg.bench
@@ -44,7 +44,7 @@ def execute(cfg, args) -> int:
         f"{cfg.recipe.num_anchors} anchors x {s.drafter.block_size}",
         flush=True,
     )
-    from flashdraft.train.flops import describe
+    from flashdraft.telemetry.flops import describe
 
     if (basis := describe(s.device, s.peak)) is not None:
         print(basis, flush=True)

@@ -28,8 +28,8 @@ def execute(cfg, args) -> int:
 
     from rich.console import Console
 
+    from flashdraft import distributed
     from flashdraft.data.features import local_dir, output_lock
-    from flashdraft.train import distributed
 
     if args.nproc is not None and not distributed.launched():
         return distributed.launch(args.nproc, options.relaunch_argv(args, "features"))

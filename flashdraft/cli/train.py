@@ -38,7 +38,7 @@ def execute(cfg, args) -> int:
     from flashdraft.io import lock
 
     if args.nproc is not None:
-        from flashdraft.train import distributed
+        from flashdraft import distributed
 
         if not distributed.launched():
             return distributed.launch(args.nproc, options.relaunch_argv(args, "train"))
@@ -52,7 +52,7 @@ def execute(cfg, args) -> int:
 def _run(args, cfg, console) -> int:
     from rich.console import Console
 
-    from flashdraft.train import distributed
+    from flashdraft import distributed
 
     preflight(cfg, resume=args.resume)
     from flashdraft.train.loop import train
@@ -111,6 +111,6 @@ def preflight(cfg, resume: bool = False) -> None:
     if specs:
         resolve_sources(specs)  # a missing file or an empty glob: a DataError naming the spec
     if resume:
-        from flashdraft.train.loop import restart_without_checkpoint
+        from flashdraft.train.resume import restart_without_checkpoint
 
         restart_without_checkpoint(Path(cfg.log.out), cfg)  # a missing OUT or another run's: an error, here

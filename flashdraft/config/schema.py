@@ -216,7 +216,7 @@ class TrainConfig:
     is dropped, counted and reported)."""
     peak_tflops: float | None = None
     """Dense bf16 TFLOP/s of one GPU, the denominator of the logged MFU. null: from flashdraft's table of known GPUs
-    (flashdraft/train/flops.py); on a GPU missing from it MFU is reported as unknown."""
+    (flashdraft/telemetry/flops.py); on a GPU missing from it MFU is reported as unknown."""
 
 
 @dataclass(kw_only=True)

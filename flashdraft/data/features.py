@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flashdraft import ranks
 from flashdraft.data.errors import DataError
+from flashdraft.distributed import ranks
 from flashdraft.io import lock
 from flashdraft.io.atomic import atomic_write_bytes
 from flashdraft.io.space import room_for

@@ -19,7 +19,7 @@ lock cannot both take it.
 
 Under torchrun only rank 0 takes the lock (RANK=0 in the environment, read before any process group exists, so a
 refused run stops within a second); once the group is up every rank checks that the lock it sees is rank 0's
-(flashdraft.train.distributed.session(..., output=OUT)): all nodes must see one shared output directory.
+(flashdraft.distributed.session(..., output=OUT)): all nodes must see one shared output directory.
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ _HELD_GUARD = threading.Lock()
 @contextlib.contextmanager
 def hold(directory: str | os.PathLike, command: str, *, beside: bool = False) -> Iterator[OutputLock | None]:
     """Hold the lock of `directory` for the body; re-entrant in this process. Under torchrun only rank 0 takes it
-    (the others get None; they check it through flashdraft.train.distributed.session)."""
+    (the others get None; they check it through flashdraft.distributed.session)."""
     if _rank() != 0:
         yield None
         return

@@ -6,9 +6,10 @@
 
 Every fast kernel (fla's delta rule and norms, flashdraft's conv) is autotuned by Triton the first time it meets a
 shape: each candidate config is compiled and timed. Triton keeps the results on disk, so a second process on the
-same machine skips it, but a freshly started GPU machine pays it in full: about 90 s of the bundled default's 110 s
-on an H100, to choose between configs a few microseconds apart. `tuned/<GPU>.json` holds the autotuner's choices
-measured on that GPU (the shapes the run `bench/gpu_run.sh` makes on it tuned: the bundled default's).
+same machine skips it, but a freshly started GPU machine pays it in full, for every kernel and shape of a run: most
+of a short run's time can go to choosing between configs that differ by microseconds (bench/RESULTS.md has the
+figures). `tuned/<GPU>.json` holds the autotuner's choices measured on that GPU (the shapes the run
+`bench/gpu_run.sh` makes on it tuned: the bundled default's).
 An entry is used only where everything matches: the GPU's name, the kernel's name, its whole autotuning key (the
 shape values it tunes on and every tensor's dtype) and a config the kernel's own autotuner offers. Any other shape
 is autotuned as before. FLASHDRAFT_SHIPPED_TUNING=0 turns this off.

@@ -3,11 +3,12 @@
 compile_drafter(drafter, cfg.train, device)   # torch.compile each decoder layer in place, as the config asks
 decided = resolve_auto_compile(cfg, device, run_flops, peak_flops)   # a run's `auto`s: compile only if it pays back
 
-The rule of `auto` on a GPU: compiling (the drafter's layers, FlexAttention, the target's glue) costs up to about a
-minute on a fresh machine and makes a step 10-30% faster (bench/RESULTS.md). It pays back when 10% of the run's
-compute time reaches that minute. The compute time is the run's cost-model FLOPs (`flops.step_flops`, every step at
-full length and every anchor) at the GPU's peak — a lower bound of the real time — so `auto` compiles for runs of at
-least 10 minutes of peak-rate compute: a 27B target from a few hundred steps on, never the bundled tiny target.
+The rule of `auto` on a GPU: compiling (the drafter's layers, FlexAttention, the target's glue) costs a fixed time
+on a fresh machine (`COMPILE_SECONDS`) and then saves a share of every step's time (`COMPILE_GAIN`, the least share
+the benchmarks saw it save; docs/benchmarks.md). It pays back when that share of the run's compute time reaches the
+fixed cost. The compute time is the run's cost-model FLOPs (`telemetry.flops.step_flops`, every step at full length
+and every anchor) at the GPU's peak — a lower bound of the real time — so `auto` compiles long runs of a large
+target and never the bundled tiny target.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ logger = logging.getLogger(__name__)
 COMPILE_SECONDS = 60.0
 """What compiling costs a run on a fresh machine, about (less with warm Inductor and Triton caches)."""
 COMPILE_GAIN = 0.1
-"""The least share of a step's time compiling saves where it is used (bench/RESULTS.md: 7% of the target's forward,
-more of the drafter's step)."""
+"""The least share of a step's time compiling saves where it is used (the target's forward; more of the drafter's
+step)."""
 NOMINAL_PEAK_FLOPS = 400e12
-"""FLOP/s assumed for a GPU missing from flashdraft's table (flops.GPUS)."""
+"""FLOP/s assumed for a GPU missing from flashdraft's table (telemetry.flops.GPUS)."""
 
 
 def compile_enabled(setting: bool | str, device: torch.device) -> bool:

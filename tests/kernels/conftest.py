@@ -28,32 +28,13 @@ SHAPES = {
 UPDATE_SHAPES = {"cpu": (3, 37), "cuda": (64, 10240)}
 
 
-def _label_comparisons_as_int1():
-    """Triton 3.9's interpreter labels a comparison with its operands' type (int32 for `p >= 0`), so a scalar
-    comparison broadcast into a mask becomes an int32 array its `load` rejects ("mask has unsupported dtype").
-    A compiled kernel types comparisons as int1; relabel them the same way under the interpreter."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    for name in [n for n in vars(builder) if n.startswith(("create_icmp", "create_fcmp"))]:
-        compare = getattr(builder, name)
-
-        def typed(self, lhs, rhs, compare=compare):
-            out = compare(self, lhs, rhs)
-            return interpreter.TensorHandle(out.data.astype(np.bool_), tl.int1)
-
-        setattr(builder, name, typed)
-
-
 def _import_kernels():
     if CUDA:
         return importlib.import_module("flashdraft.kernels.causal_conv1d")
-    _label_comparisons_as_int1()
     ours = lambda name: name == "flashdraft.kernels" or name.startswith("flashdraft.kernels.")
     # Triton itself stays in its normal mode (imported first, without the variable): only our kernels are
-    # interpreted, and they call no @jit function of Triton's library (see forward.py).
+    # interpreted, and they call no @jit function of Triton's library (see flashdraft/kernels/utils.py). Nor is
+    # Triton patched: the kernels run under its stock interpreter (test_stock_interpreter.py checks it).
     import triton.language  # noqa: F401
 
     import flashdraft
@@ -81,7 +62,7 @@ def _import_kernels():
 KERNELS = _import_kernels()
 
 
-# The modules that allocate kernel outputs, each through its own binding of `forward._empty_like_output`.
+# The modules that allocate kernel outputs, each through `common.empty_like_output` (looked up at every call).
 ALLOCATING_MODULES = ("forward", "backward", "function", "update")
 
 
@@ -89,15 +70,16 @@ ALLOCATING_MODULES = ("forward", "backward", "function", "update")
 def cc(monkeypatch):
     """The `flashdraft.kernels.causal_conv1d` package under test, every kernel output allocated NaN-filled: an
     element a kernel fails to write then shows as NaN (the tests require finite outputs)."""
-    allocate = KERNELS.forward._empty_like_output
+    allocate = KERNELS.common.empty_like_output
 
     def nan_filled(*args, **kwargs):
         return allocate(*args, **kwargs).fill_(float("nan"))
 
     for name in ALLOCATING_MODULES:
         module = getattr(KERNELS, name)
-        assert module._empty_like_output is allocate, f"{name}.py allocates its outputs some other way"
-        monkeypatch.setattr(module, "_empty_like_output", nan_filled)
+        assert module.common is KERNELS.common, f"{name}.py allocates its outputs some other way"
+        assert not hasattr(module, "empty_like_output"), f"{name}.py binds its own empty_like_output"
+    monkeypatch.setattr(KERNELS.common, "empty_like_output", nan_filled)
     return KERNELS
 
 

@@ -8,6 +8,11 @@ hide in the norm. Outputs are NaN-poisoned (see conftest), so an element a kerne
 
 Axes are combined, not crossed: every value of every axis appears, every (dtype, layout, W) triple is run.
 On CPU: `TRITON_INTERPRET=1 pytest tests/kernels` is implied (conftest); on a GPU the same tests use large shapes.
+
+The cases marked `versions` are those CI runs again on the oldest supported releases (`pytest -m versions`, see
+tests/conftest.py): on a CPU they run every kernel (forward and backward of both layouts, with initial and final
+states and packed sequences, the update, odd shapes) under that release's stock Triton interpreter, and they are
+chosen among the small shapes to keep CI's time.
 """
 
 from __future__ import annotations
@@ -20,6 +25,14 @@ from tests.kernels.conftest import CUDA
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 F32, F16, BF16 = DTYPES
+
+
+VERSIONS = pytest.mark.versions
+
+
+def versions(*values):
+    """A case that CI runs on the oldest supported releases too."""
+    return pytest.param(*values, marks=VERSIONS)
 
 
 def case_id(value) -> str:
@@ -123,7 +136,9 @@ def check_fn(
     return y
 
 
-# Every (dtype, layout, W); bias, activation, weight dtype and shape rotate so that each value appears.
+# Every (dtype, layout, W); bias, activation, weight dtype and shape rotate so that each value appears. The cases
+# in FN_VERSIONS (every dtype and layout, W 2 to 4, no "long" shape) run on the oldest releases too.
+FN_VERSIONS = {0, 2, 11, 14, 16}
 FN_CASES = [
     pytest.param(
         dtype,
@@ -136,6 +151,7 @@ FN_CASES = [
         id=f"{str(dtype)[6:]}-{layout}-W{width}-{'bias' if i % 2 == 0 else 'nobias'}-"
         f"{[None, 'silu', 'swish'][i % 3]}-{'w32' if i % 4 == 3 else 'wsame'}-"
         f"{['main', 'long', 'short', 'one'][i % 4]}",
+        marks=[VERSIONS] if i in FN_VERSIONS else [],
     )
     for i, (dtype, layout, width) in enumerate(
         (d, lay, w) for d in DTYPES for lay in ("channel_last", "channel_first") for w in (2, 3, 4)
@@ -157,11 +173,11 @@ def test_fn_matches_reference(cc, device, shapes, gen, dtype, layout, width, has
     "dtype, layout, width, with_h0, activation",
     ids=case_id,
     argvalues=[
-        (torch.bfloat16, "channel_last", 4, False, "silu"),
+        versions(torch.bfloat16, "channel_last", 4, False, "silu"),
         (torch.float32, "channel_last", 3, True, None),
         (torch.float16, "channel_last", 2, False, None),
         (torch.float32, "channel_first", 4, False, "silu"),
-        (torch.bfloat16, "channel_first", 3, True, "silu"),
+        versions(torch.bfloat16, "channel_first", 3, True, "silu"),
         (torch.float32, "channel_last", 4, True, "silu"),
     ],
 )
@@ -183,8 +199,8 @@ def test_seq_idx(cc, device, shapes, gen, dtype, layout, width, with_h0, activat
     argvalues=[
         (torch.float32, "channel_last", 4, "main", False),
         (torch.bfloat16, "channel_last", 4, "one", True),
-        (torch.float16, "channel_last", 3, "short", True),
-        (torch.float32, "channel_first", 4, "one", False),
+        versions(torch.float16, "channel_last", 3, "short", True),
+        versions(torch.float32, "channel_first", 4, "one", False),
         (torch.bfloat16, "channel_first", 2, "main", True),
         (torch.float32, "channel_last", 2, "long", False),
     ],
@@ -237,7 +253,7 @@ class _Launches:
 @pytest.mark.parametrize("kernel, layout", [("rows", "channel_last"), ("tile", "channel_first")])
 @pytest.mark.parametrize("dtype, width, options", [(BF16, 4, "seq_idx"), (F32, 3, "states"), (F16, 2, "states")])
 def test_forward_kernel_by_layout(cc, device, shapes, gen, monkeypatch, kernel, layout, dtype, width, options):
-    if not CUDA:  # the interpreter launches the kernel itself; a GPU goes through the autotuner in `_tuned`
+    if not CUDA:  # the interpreter launches the kernel itself; a GPU goes through `forward.autotuned_kernel`
         name = "causal_conv1d_fwd_kernel" if kernel == "rows" else "causal_conv1d_fwd_tile_kernel"
         launches = _Launches(getattr(cc.forward, name))
         monkeypatch.setattr(cc.forward, name, launches)
@@ -251,7 +267,7 @@ def test_forward_kernel_by_layout(cc, device, shapes, gen, monkeypatch, kernel, 
         check_fn(cc, x, weight, bias, seq_idx=seq_idx, h0=h0, activation="silu", gen=gen)
     else:
         check_fn(cc, x, weight, bias, h0=h0, return_final_states=True, activation="silu", gen=gen)
-    assert (kernel, x.element_size()) in cc.forward._tuned if CUDA else launches.count == 1
+    assert (kernel, x.element_size()) in cc.forward.autotuned_kernel.built if CUDA else launches.count == 1
 
 
 class _NoLaunch:
@@ -261,6 +277,7 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+@VERSIONS
 def test_poisoned_outputs_show_unwritten_elements(cc, device, gen, monkeypatch):
     # The `cc` fixture's NaN-filled allocation reaches every output of every kernel: with kernels that write
     # nothing, each output (y, final states, every gradient, the update's y) comes back all NaN.
@@ -271,8 +288,8 @@ def test_poisoned_outputs_show_unwritten_elements(cc, device, gen, monkeypatch):
     ):
         for name in names:
             monkeypatch.setattr(module, name, _NoLaunch())
-    monkeypatch.setattr(cc.forward, "_tuned_kernel", lambda kind, elem_size: _NoLaunch())
-    monkeypatch.setattr(cc.backward, "_tuned_kernel", lambda kind, elem_size: _NoLaunch())
+    monkeypatch.setattr(cc.forward, "autotuned_kernel", lambda kind, elem_size: _NoLaunch())
+    monkeypatch.setattr(cc.backward, "autotuned_kernel", lambda kind, elem_size: _NoLaunch())
     monkeypatch.setattr(cc.update, "_plans", {})
     batch, dim, seqlen, width = 2, 24, 9, 4
     for channel_last in (True, False):
@@ -301,7 +318,7 @@ def test_each_row_config(cc, device, shapes, gen, monkeypatch, dtype, width):
     weight = torch.randn(dim, width, generator=gen).to(device, dtype)
     h0 = torch.randn(batch, dim, width - 1, generator=gen).to(device, dtype)
     seq_idx = make_seq_idx(batch, seqlen, width, device)
-    tuner = cc.forward._tuned_kernel("rows", x.element_size()) if CUDA else None
+    tuner = cc.forward.autotuned_kernel("rows", x.element_size()) if CUDA else None
     for config in tuner.configs if CUDA else [None]:
         if CUDA:
             monkeypatch.setattr(tuner, "configs", [config])
@@ -312,9 +329,9 @@ def test_each_row_config(cc, device, shapes, gen, monkeypatch, dtype, width):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # numpy, interpreter
 def test_silu_over_the_whole_float32_range(cc, device):
-    # On a GPU the sigmoid comes from approximate PTX (forward._sigmoid): it must saturate cleanly (silu(z) = z for
-    # large z, 0 for very negative z, never NaN) and keep float32 precision in between. Weight (0, 0, 0, 1) makes
-    # the conv the identity, so y = silu(x) exactly in the reference.
+    # On a GPU the sigmoid comes from approximate PTX (kernels/utils.py, `sigmoid`): it must saturate cleanly
+    # (silu(z) = z for large z, 0 for very negative z, never NaN) and keep float32 precision in between. Weight
+    # (0, 0, 0, 1) makes the conv the identity, so y = silu(x) exactly in the reference.
     z = [0.0, 1e-30, 1e-3, 0.5, 1.0, 3.0, 10.0, 20.0, 60.0, 87.0, 89.0, 100.0, 1e4, 1e30, 3e38]
     values = torch.tensor(z + [-v for v in z], dtype=torch.float64)
     # (B, D, L) = (2, 3, 30), channel-last: every channel holds all the values along L.
@@ -328,6 +345,7 @@ def test_silu_over_the_whole_float32_range(cc, device):
     assert not bad.any(), f"silu off at z = {x.cpu()[bad].tolist()}: {y[bad].tolist()} vs {ref[bad].tolist()}"
 
 
+@VERSIONS
 def test_final_states_without_initial_states_short_input(cc, device, gen):
     # L < W-1: the final states are zero-padded on the left.
     x = make_x(gen, (2, 24, 1), torch.float32, device, True)
@@ -404,6 +422,7 @@ CONV1D_CASES = [
 ]
 
 
+@VERSIONS
 @pytest.mark.parametrize("shape, layout, has_bias, activation, with_h0", CONV1D_CASES, ids=case_id)
 def test_fn_matches_torch_conv1d(cc, device, gen, shape, layout, has_bias, activation, with_h0):
     """Forward, final states and the gradients of x, weight, bias and initial states (float32) against autograd
@@ -428,6 +447,7 @@ def test_fn_matches_torch_conv1d(cc, device, gen, shape, layout, has_bias, activ
             assert_close(got.grad, ref.grad, F32, name)
 
 
+@VERSIONS
 @pytest.mark.parametrize("layout", ["channel_last", "channel_first"])
 def test_packed_sequences_match_torch_conv1d(cc, device, gen, layout):
     """seq_idx: each packed sequence convolved on its own by F.conv1d, padding positions 0; every gradient."""
@@ -453,6 +473,7 @@ def test_packed_sequences_match_torch_conv1d(cc, device, gen, layout):
         assert_close(got.grad, ref.grad, F32, name)
 
 
+@VERSIONS
 @pytest.mark.parametrize("seqlen, width, extra", [(1, 4, 0), (3, 3, 2), (5, 2, 1)])
 def test_update_matches_torch_conv1d(cc, device, gen, seqlen, width, extra):
     """causal_conv1d_update continues from a conv_state of the last S inputs: F.conv1d over [its last W-1, x]."""
@@ -486,6 +507,7 @@ UPDATE_CASES = [
 ]
 
 
+@VERSIONS
 @pytest.mark.parametrize(
     "dtype, width, x_dims, seqlen, extra, circular, indices, has_bias, activation", UPDATE_CASES, ids=case_id
 )
@@ -546,6 +568,7 @@ def test_update_repeated_calls_reuse_the_plan(cc, device, update_shape, gen):
         assert torch.equal(state, state_ref.to(torch.bfloat16))
 
 
+@VERSIONS
 def test_update_matches_fn_token_by_token(cc, device, gen):
     # Decoding token by token from the prefill's final states continues the prefill's output exactly.
     batch, dim, seqlen, width = 2, 24, 9, 4
@@ -659,7 +682,7 @@ def test_update_errors(cc, device, match, call):
 def test_cpu_tensors_without_interpreter_raise(cc, monkeypatch):
     # Without CUDA and without TRITON_INTERPRET the kernels cannot run: a clear RuntimeError, and
     # triton_available_for says so first (the fast-path dispatcher falls back to the reference then).
-    monkeypatch.setattr(cc.function, "INTERPRET", False)
+    monkeypatch.setattr(cc.common, "INTERPRET", False)
     monkeypatch.setattr(cc.update, "INTERPRET", False)
     monkeypatch.setattr(cc, "INTERPRET", False)
     monkeypatch.setattr(cc.update, "_plans", {})

@@ -98,7 +98,7 @@ def test_two_runs_started_together_one_trains_and_a_killed_runs_lock_is_taken_ov
 SCRIPT = textwrap.dedent("""
     import os, sys
     from flashdraft.io import lock
-    from flashdraft.train import distributed
+    from flashdraft import distributed
 
     out, mode = sys.argv[1], sys.argv[2]
     seen = os.path.join(out, "elsewhere") if mode == "split" and os.environ["RANK"] == "1" else out

@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 from flashdraft import bundled
 from flashdraft.config import load_config, to_dict
 from flashdraft.target import load_causal_lm
-from flashdraft.train import loop
-from tests.train.drawn import curve_pixels
+from flashdraft.train import forward, loop
+from flashdraft.train.dataloader import DataLoader
+from tests.telemetry.drawn import curve_pixels
 
 PLOT = importlib.util.find_spec("matplotlib") is not None  # the plot extra; without it no curve, and a notice
 # Decoding with the shipped drafter on the bundled target: a step's simulated tau was 1.48-3.75 and the measured tau
@@ -37,8 +38,33 @@ def _cfg(out, *extra):
     return load_config(bundled.ASSETS / "train.yaml", [*SHORT, f"log.out={out}", *extra])
 
 
+def _records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def _losses(out):
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    """The training batches' loss of each logged step."""
+    return {r["step"]: r["loss"] for r in _records(out) if "loss" in r}
+
+
+def _batch(cfg, s, data, step=0):
+    """The micro-batches of `step` that a run of `cfg` on Setup `s` reads from `data`."""
+    return DataLoader.from_config(cfg, data, s.drafter, s.device).batch(step)
+
+
+def _training_calls(real, action):
+    """`real` (the loss) wrapped to call `action(n, loss, stats)` on the n-th call of a training step (evaluations
+    run without gradients and are not counted); `action` returns the (loss, stats) to hand back."""
+    calls = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return loss, stats
+        calls["n"] += 1
+        return action(calls["n"], loss, stats)
+
+    return wrapped
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +77,7 @@ def full_run(tmp_path_factory):
 def test_outputs_of_a_run(full_run):
     out, result = full_run
     assert result.steps == 6 and result.checkpoint.name == "step_00000006"
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = _records(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     for r in rows:
         assert {"loss", "sim_tau", "acc", "tok_s", "draft_tok_s", "lr"} <= set(r)
@@ -64,6 +90,9 @@ def test_outputs_of_a_run(full_run):
         assert result.curve is None and not (out / "training_curve.png").exists()
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000003", "step_00000006"]
     assert (out / "checkpoints" / "step_00000006" / "drafter" / "model.safetensors").is_file()
+    # The data loader's place is saved beside the loop's: a resumed run reads on from it.
+    state = json.loads((out / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
+    assert state == {"step": 3, "data": {"step": 3, "seed": 0, "sequences_per_step": 4, "samples": 763}}
     assert result.measured_tau is not None and result.measured_tau > TAU_FLOOR
     assert json.loads((out / "measured_tau.json").read_text())["tau"] == result.measured_tau
     # The bundled default fine-tunes the shipped drafter, trained for the shipped target: its first loss is far
@@ -99,7 +128,7 @@ def test_periodic_real_tau_is_logged_and_leaves_training_unchanged(full_run, tmp
     full, _ = full_run
     out = tmp_path / "periodic"
     loop.train(_cfg(out, "log.eval_every=3"))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = _records(out)
     assert [r["step"] for r in rows if "tau" in r] == [3]  # the last step's τ is the final measurement
     assert rows[2]["tau"] > TAU_FLOOR
     assert _losses(out) == _losses(full)  # decoding in between draws no training randomness
@@ -113,53 +142,40 @@ def test_eval_every_must_be_a_multiple_of_log_every(tmp_path):
 
 
 def test_non_finite_loss_stops_naming_the_last_checkpoint(tmp_path, monkeypatch):
-    real = loop.dflash_loss
-    calls = {"n": 0}
-
-    def poisoned(*args, **kwargs):
-        loss, stats = real(*args, **kwargs)
-        calls["n"] += 1
-        if calls["n"] > 4:  # after the step-3 checkpoint
+    def poison(n, loss, stats):
+        if n > 4:  # after the step-3 checkpoint
             stats.loss_sum = stats.loss_sum * float("nan")
         return loss, stats
 
-    monkeypatch.setattr(loop, "dflash_loss", poisoned)
+    monkeypatch.setattr(forward, "dflash_loss", _training_calls(forward.dflash_loss, poison))
     with pytest.raises(loop.TrainingError, match=r"non-finite loss or gradient at step 5.*checkpoint: .*step_00000003"):
         loop.train(_cfg(tmp_path / "nan"))
 
 
 def test_non_finite_steps_can_be_skipped_and_counted(tmp_path, monkeypatch):
-    real = loop.dflash_loss
-    calls = {"n": 0}
-
-    def poisoned(*args, **kwargs):
-        loss, stats = real(*args, **kwargs)
-        calls["n"] += 1
-        if calls["n"] in (2, 4):  # steps 2 and 4 (one micro-batch per step)
+    def poison(n, loss, stats):
+        if n in (2, 4):  # steps 2 and 4 (one micro-batch per step)
             loss = loss * float("nan")
             stats.loss_sum = stats.loss_sum * float("nan")
         return loss, stats
 
-    monkeypatch.setattr(loop, "dflash_loss", poisoned)
+    monkeypatch.setattr(forward, "dflash_loss", _training_calls(forward.dflash_loss, poison))
     out = tmp_path / "skip"
     loop.train(_cfg(out, "train.on_nonfinite=skip"))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["skipped"] for r in rows] == [0, 1, 1, 2, 2, 2]
+    assert [r["skipped"] for r in _records(out) if "skipped" in r] == [0, 1, 1, 2, 2, 2]
     weights = load_file(out / "checkpoints" / "step_00000006" / "drafter" / "model.safetensors")
     assert all(torch.isfinite(w).all() for w in weights.values())  # no NaN update was applied
 
 
 def _signal_at_call(monkeypatch, n: int, sig=signal.SIGTERM):
-    """Send `sig` to this process from inside the n-th loss computation (as a scheduler would, mid-step)."""
-    real, calls = loop.dflash_loss, {"n": 0}
+    """Send `sig` to this process from inside the n-th loss computation of a step (as a scheduler would, mid-step)."""
 
-    def signalling(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == n:
+    def signal_at(count, loss, stats):
+        if count == n:
             os.kill(os.getpid(), sig)
-        return real(*args, **kwargs)
+        return loss, stats
 
-    monkeypatch.setattr(loop, "dflash_loss", signalling)
+    monkeypatch.setattr(forward, "dflash_loss", _training_calls(forward.dflash_loss, signal_at))
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(full_run, tmp_path, monkeypatch):
@@ -274,7 +290,7 @@ def test_static_shapes_pad_without_changing_loss_or_gradients():
     drafter sees that one shape, and the step's loss and gradients are those of the unpadded batch. On the CPU, in
     float32, where the padding changes no kernel's reduction order (on a GPU it does, by ~3e-5 relative: the GPU
     test below compares within bf16 tolerances instead)."""
-    from flashdraft.train import step_timing
+    from flashdraft.benchmarks import train_step as bench
 
     overrides = [
         "data.max_length=40",
@@ -287,9 +303,9 @@ def test_static_shapes_pad_without_changing_loss_or_gradients():
         static: load_config(bundled.ASSETS / "train.yaml", [*overrides, f"train.static_shapes={static}"])
         for static in ("false", "true")
     }
-    target, tokenizer = step_timing.load_bench_target(cfg["false"])
-    s = step_timing.bench_setup(cfg["false"], target, tokenizer=tokenizer, steps=2)
-    s.data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
+    target, tokenizer = bench.load_bench_target(cfg["false"])
+    s = bench.bench_setup(cfg["false"], target, tokenizer=tokenizer, steps=2)
+    data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
     shapes = []
     s.drafter.register_forward_pre_hook(
         lambda m, a, kw: shapes.append(tuple(kw["position_ids"].shape)), with_kwargs=True
@@ -306,7 +322,7 @@ def test_static_shapes_pad_without_changing_loss_or_gradients():
     for static, run_cfg in cfg.items():
         shapes.clear()
         keep = Keep()
-        stats, tokens, finite = loop.train_step(s, run_cfg, keep, 0)
+        stats, tokens, finite = loop.train_step(s, run_cfg, keep, _batch(run_cfg, s, data))
         assert finite
         runs[static] = (stats, tokens, keep.grads, list(shapes))
     (plain, tokens, grads, plain_shapes), (padded, padded_tokens, padded_grads, padded_shapes) = runs.values()
@@ -321,26 +337,26 @@ def test_static_shapes_pad_without_changing_loss_or_gradients():
 def test_recipe_objective_reaches_the_loss(monkeypatch):
     """recipe.loss / loss_weighting / anchor_sampling reach the step: every micro-batch's loss gets the recipe's
     objective and, for D-PACE, the step's labelled blocks (both micro-batches) as its denominator."""
-    from flashdraft.train import step_timing
+    from flashdraft.benchmarks import train_step as bench
     from flashdraft.train.loss import Objective
     from flashdraft.train.loss.objective import labelled_blocks
 
     recipe = ["recipe.loss=lk", "recipe.lk_eta=2", "recipe.loss_weighting=dpace", "recipe.anchor_sampling=stratified"]
     overrides = ["data.max_length=40", "recipe.num_anchors=3", "train.batch_size=2", "train.grad_accum=2"]
     cfg = load_config(bundled.ASSETS / "train.yaml", [*overrides, "train.device=cpu", *recipe])
-    target, tokenizer = step_timing.load_bench_target(cfg)
-    s = step_timing.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
-    s.data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
+    target, tokenizer = bench.load_bench_target(cfg)
+    s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
+    data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
     calls = []
-    real = loop.dflash_loss
+    real = forward.dflash_loss
 
     def spy(hidden, head, labels, weights, **kwargs):
         calls.append((labelled_blocks(labels, kwargs["block_size"]).sum().item(), kwargs))
         return real(hidden, head, labels, weights, **kwargs)
 
-    monkeypatch.setattr(loop, "dflash_loss", spy)
+    monkeypatch.setattr(forward, "dflash_loss", spy)
 
-    stats, _, finite = loop.train_step(s, cfg, _NoUpdate(s.drafter), 0)
+    stats, _, finite = loop.train_step(s, cfg, _NoUpdate(s.drafter), _batch(cfg, s, data))
     assert finite and len(calls) == 2
     blocks = sum(count for count, _ in calls)
     assert blocks == 4 * 3  # every sequence has room for its 3 anchors
@@ -354,16 +370,16 @@ def test_target_labels_reach_the_loss_as_the_targets_final_states(monkeypatch):
     """recipe.labels = target: each labelled query's teacher state is the whole target's final hidden state at the
     position before its label (checked against a fresh full model's output_hidden_states), over ragged micro-batches,
     and the loss is the distribution loss, not the token loss."""
-    from flashdraft.train import step_timing
+    from flashdraft.benchmarks import train_step as bench
 
     overrides = ["data.max_length=40", "recipe.num_anchors=3", "train.batch_size=2", "train.grad_accum=2"]
     cfg = load_config(bundled.ASSETS / "train.yaml", [*overrides, "train.device=cpu", "recipe.labels=target"])
-    target, tokenizer = step_timing.load_bench_target(cfg)
+    target, tokenizer = bench.load_bench_target(cfg)
     assert len(target.decoder.layers) == target.num_target_layers  # nothing truncated
-    s = step_timing.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
-    s.data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
+    s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
+    data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
     seen = {"ids": [], "batches": [], "losses": []}
-    real_capture, real_before, real_loss = target.capture, loop.before_labels, loop.dflash_loss
+    real_capture, real_before, real_loss = target.capture, forward.before_labels, forward.dflash_loss
 
     def capture(ids, attn=None, **kwargs):
         seen["ids"].append((ids, attn))
@@ -381,10 +397,10 @@ def test_target_labels_reach_the_loss_as_the_targets_final_states(monkeypatch):
         return soft, stats
 
     monkeypatch.setattr(target, "capture", capture)
-    monkeypatch.setattr(loop, "before_labels", before)
-    monkeypatch.setattr(loop, "dflash_loss", loss)
+    monkeypatch.setattr(forward, "before_labels", before)
+    monkeypatch.setattr(forward, "dflash_loss", loss)
 
-    _, _, finite = loop.train_step(s, cfg, _NoUpdate(s.drafter), 0)
+    _, _, finite = loop.train_step(s, cfg, _NoUpdate(s.drafter), _batch(cfg, s, data))
     assert finite and len(seen["losses"]) == 2
     full = load_causal_lm(bundled.BUNDLED, dtype=torch.float32, device="cpu")
     checked = 0
@@ -407,22 +423,24 @@ def test_compiled_flex_steps_over_ragged_batches_on_gpu():
     train.compile the shapes are static (train.static_shapes=auto), and each step's loss is the eager SDPA loss of
     the unpadded batch, up to bf16 rounding. The fast run also compiles the target's glue (target.compile=auto), over
     the batches' four lengths."""
-    from flashdraft.train import step_timing
+    from flashdraft.benchmarks import train_step as bench
 
     base = ["data.max_length=40", "recipe.num_anchors=6", "train.batch_size=2", "train.grad_accum=1"]
     eager = load_config(
         bundled.ASSETS / "train.yaml", [*base, "train.attention=sdpa", "train.compile=false", "target.compile=false"]
     )
     fast = load_config(bundled.ASSETS / "train.yaml", [*base, "train.attention=flex", "train.compile=true"])
-    target, tokenizer = step_timing.load_bench_target(eager)
+    target, tokenizer = bench.load_bench_target(eager)
     losses = {}
     for name, cfg in (("eager", eager), ("fast", fast)):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        s = step_timing.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
-        s.data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
+        s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
+        batches = DataLoader.from_config(
+            cfg, _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0]), s.drafter, s.device
+        )
         optimizer = torch.optim.SGD(s.drafter.parameters(), lr=0.0)  # the same weights for both steps
-        losses[name] = [float(loop.train_step(s, cfg, optimizer, step)[0].loss_sum) for step in (0, 1)]
+        losses[name] = [float(loop.train_step(s, cfg, optimizer, next(batches))[0].loss_sum) for _ in (0, 1)]
     torch.testing.assert_close(losses["fast"], losses["eager"], rtol=2e-2, atol=1e-3)
 
 
@@ -454,7 +472,7 @@ def test_resume_before_the_first_checkpoint_starts_again_from_step_0(tmp_path, c
     out.mkdir()
     (out / "config.json").write_text(json.dumps(to_dict(_two_steps(out)), indent=1))
     (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 99.0}) + '\n{"step": 2, "lo')
-    with caplog.at_level(logging.WARNING, logger="flashdraft.train.loop"):
+    with caplog.at_level(logging.WARNING, logger="flashdraft.train.resume"):
         result = loop.train(_two_steps(out), resume=True)
     assert "holds this run's config but no checkpoint yet" in caplog.text and "starting from step 0" in caplog.text
     assert result.steps == 2 and result.checkpoint.name == "step_00000002"
@@ -483,14 +501,14 @@ def test_resume_into_another_runs_out_is_an_error_naming_the_difference(tmp_path
 
 def test_logged_loss_accuracy_and_tau_are_means_over_the_log_window(tmp_path, monkeypatch):
     micro = []  # the LossStats of every micro-batch, in order
-    real = loop.dflash_loss
+    real = forward.dflash_loss
 
     def recording(*args, **kwargs):
         loss, stats = real(*args, **kwargs)
         micro.append(stats)
         return loss, stats
 
-    monkeypatch.setattr(loop, "dflash_loss", recording)
+    monkeypatch.setattr(forward, "dflash_loss", recording)
     out = tmp_path / "window"
     loop.train(_two_steps(out, "train.max_steps=5", "log.every=3", "log.eval_every=0", "train.grad_accum=2"))
     rows = {r["step"]: r for r in _rows(out)}
@@ -535,7 +553,7 @@ def test_no_step_tensor_grows_with_the_square_of_the_length_or_with_length_times
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from flashdraft.train import step_timing
+    from flashdraft.benchmarks import train_step as bench
 
     class Shapes(TorchDispatchMode):
         def __init__(self):
@@ -553,13 +571,13 @@ def test_no_step_tensor_grows_with_the_square_of_the_length_or_with_length_times
             bundled.ASSETS / "train.yaml",
             [f"data.max_length={length}", "recipe.num_anchors=8", "train.batch_size=2", "train.device=cpu"],
         )
-        target, tokenizer = step_timing.load_bench_target(cfg)
+        target, tokenizer = bench.load_bench_target(cfg)
         vocab = target.lm_head_weight.shape[0]
-        s = step_timing.bench_setup(cfg, target, tokenizer=tokenizer, steps=1)
-        s.data = _TwoLengths(length, vocab)
+        s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=1)
+        data = _TwoLengths(length, vocab)
         optimizer = torch.optim.AdamW(s.drafter.parameters())
         with Shapes() as seen:
-            loop.train_step(s, cfg, optimizer, 0)
+            loop.train_step(s, cfg, optimizer, _batch(cfg, s, data))
         seq_dims = {length - 1, length, length + 8 * s.drafter.block_size}  # T (shifted), context + blocks
         square = [(op, shape) for op, shape in seen.shapes if sum(d in seq_dims for d in shape) >= 2]
         by_vocab = [(op, shape) for op, shape in seen.shapes if vocab in shape and any(d in seq_dims for d in shape)]

@@ -1,12 +1,12 @@
 """What a run loads before its first step."""
 
-from types import SimpleNamespace
+import dataclasses
 
-import torch
+import pytest
 
 from flashdraft import bundled
 from flashdraft.config import load_config
-from flashdraft.train.setup import load_inputs, step_blocks
+from flashdraft.train.setup import load_inputs, setup
 
 
 def _cfg(out, *extra):
@@ -22,14 +22,10 @@ def test_target_compile_reaches_the_frozen_target(tmp_path):
         assert target.glue_compiled is compiled
 
 
-def test_revealing_blocks_keeps_the_anchors():
-    """recipe.reveal draws after the anchors: the same anchors with and without it, some blocks revealed, and the
-    same draw again for the same (seed, epoch, sample)."""
-    s = SimpleNamespace(drafter=SimpleNamespace(block_size=8, mask_token_id=999))
-    ids, mask = torch.arange(200).view(2, 100), torch.ones(2, 100, dtype=torch.long)
-    blocks = lambda *extra: step_blocks(s, load_config(None, ["recipe.num_anchors=16", *extra]), ids, mask, [3, 4], 1)
-    plain, shown = blocks(), blocks("recipe.reveal=0.5")
-    assert torch.equal(plain.anchors, shown.anchors)
-    revealed = (shown.block_ids.view(2, 16, 8) != 999).sum(-1) - 1  # the anchor's token is always shown
-    assert 0 < int((revealed > 0).sum()) < 32 and int((plain.block_ids.view(2, 16, 8) != 999).sum()) == 32
-    assert torch.equal(blocks("recipe.reveal=0.5").block_ids, shown.block_ids)
+def test_a_setup_is_built_once_and_not_replaced_during_the_run(tmp_path):
+    """Everything a run holds before its first step, in a frozen Setup: training changes the drafter's weights and
+    the loader's place, never which objects the run holds."""
+    s = setup(_cfg(tmp_path, "train.max_steps=5"), tmp_path, None)
+    assert s.total_steps == 5 and s.batches.step == 0 and s.features is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.drafter = None

@@ -28,9 +28,9 @@ except ImportError:  # Triton ships for Linux only; the references must stay imp
 
     causal_conv1d_fn = causal_conv1d_update = _no_triton
 else:
-    from flashdraft.kernels.causal_conv1d.forward import INTERPRET
     from flashdraft.kernels.causal_conv1d.function import CausalConv1dFunction, causal_conv1d_fn
     from flashdraft.kernels.causal_conv1d.update import causal_conv1d_update
+    from flashdraft.kernels.utils import INTERPRET
 
 
 def triton_available_for(tensor: torch.Tensor) -> bool:

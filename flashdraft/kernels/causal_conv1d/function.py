@@ -4,42 +4,31 @@ from __future__ import annotations
 
 import torch
 
+from flashdraft.kernels.causal_conv1d import common
 from flashdraft.kernels.causal_conv1d.backward import causal_conv1d_bwd
-from flashdraft.kernels.causal_conv1d.forward import (
-    INTERPRET,
-    _empty_like_output,
-    causal_conv1d_fwd,
-    is_channel_last,
-)
+from flashdraft.kernels.causal_conv1d.forward import causal_conv1d_fwd
 from flashdraft.kernels.causal_conv1d.reference import check_activation
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _desc(t: torch.Tensor) -> str:
-    return f"{tuple(t.shape)} ({t.dtype}, {t.device})"
 
 
 def _check_args(x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        got = _desc(x) if isinstance(x, torch.Tensor) else type(x).__name__
+        got = common.describe(x) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"expected x of shape (B, D, L), got {got}")
     batch, dim, seqlen = x.shape
-    if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"expected x of dtype float32, float16 or bfloat16, got {x.dtype}")
+    common.check_float("x", x)
     if seqlen < 1:
-        raise ValueError(f"expected x with L >= 1, got {_desc(x)}")
-    if weight.dim() != 2 or weight.shape[0] != dim or not 2 <= weight.shape[1] <= 4:
-        raise ValueError(f"expected weight of shape (D, W) = ({dim}, W) with 2 <= W <= 4, got {_desc(weight)}")
-    if weight.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"expected weight of dtype float32, float16 or bfloat16, got {weight.dtype}")
+        raise ValueError(f"expected x with L >= 1, got {common.describe(x)}")
+    common.check_weight(weight, dim)
     width = weight.shape[1]
-    if bias is not None and (bias.shape != (dim,) or bias.dtype not in _FLOAT_DTYPES):
-        raise ValueError(f"expected bias of shape (D,) = ({dim},), float32, float16 or bfloat16, got {_desc(bias)}")
+    if bias is not None and (bias.shape != (dim,) or bias.dtype not in common.FLOAT_DTYPES):
+        raise ValueError(
+            f"expected bias of shape (D,) = ({dim},), float32, float16 or bfloat16, got {common.describe(bias)}"
+        )
     if seq_idx is not None:
         if seq_idx.shape != (batch, seqlen) or seq_idx.dtype != torch.int32:
             raise ValueError(
-                f"expected seq_idx of shape (B, L) = ({batch}, {seqlen}) and dtype torch.int32, got {_desc(seq_idx)}"
+                f"expected seq_idx of shape (B, L) = ({batch}, {seqlen}) and dtype torch.int32, "
+                f"got {common.describe(seq_idx)}"
             )
         if return_final_states:
             raise ValueError("expected return_final_states=False with seq_idx (as causal-conv1d), got True")
@@ -48,7 +37,7 @@ def _check_args(x, weight, bias, seq_idx, initial_states, return_final_states, f
     ):
         raise ValueError(
             f"expected initial_states of shape (B, D, W-1) = ({batch}, {dim}, {width - 1}) and the dtype of x "
-            f"({x.dtype}), got {_desc(initial_states)}"
+            f"({x.dtype}), got {common.describe(initial_states)}"
         )
     if (
         return_final_states
@@ -57,22 +46,17 @@ def _check_args(x, weight, bias, seq_idx, initial_states, return_final_states, f
     ):
         raise ValueError(
             f"expected final_states_out of shape (B, D, W-1) = ({batch}, {dim}, {width - 1}) and the dtype of x "
-            f"({x.dtype}), got {_desc(final_states_out)}"
+            f"({x.dtype}), got {common.describe(final_states_out)}"
         )
-    for name, t in (
-        ("weight", weight),
-        ("bias", bias),
-        ("seq_idx", seq_idx),
-        ("initial_states", initial_states),
-        ("final_states_out", final_states_out if return_final_states else None),
-    ):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"expected {name} on the device of x ({x.device}), got {t.device}")
-    if not (x.is_cuda or INTERPRET):
-        raise RuntimeError(
-            f"causal_conv1d_fn runs Triton kernels: it needs CUDA tensors, or TRITON_INTERPRET=1 set before "
-            f"flashdraft.kernels is imported; got x on {x.device}"
-        )
+    common.check_devices(
+        x,
+        "causal_conv1d_fn",
+        weight=weight,
+        bias=bias,
+        seq_idx=seq_idx,
+        initial_states=initial_states,
+        final_states_out=final_states_out if return_final_states else None,
+    )
 
 
 def _forward(x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, silu):
@@ -83,7 +67,7 @@ def _forward(x, weight, bias, seq_idx, initial_states, return_final_states, fina
         if final_states is None:
             batch, dim, _ = x.shape
             shape = (batch, dim, weight.shape[1] - 1)
-            final_states = _empty_like_output(shape, x.dtype, x.device, is_channel_last(x))
+            final_states = common.empty_like_output(shape, x.dtype, x.device, common.is_channel_last(x))
     return causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, final_states, silu), final_states
 
 
@@ -104,19 +88,11 @@ class CausalConv1dFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *rest):
-        x, weight, bias, seq_idx, initial_states = ctx.saved_tensors
         dfinal_states = rest[0] if ctx.return_final_states else None
-        dx, dweight, dbias, dinitial_states = causal_conv1d_bwd(
-            x,
-            weight,
-            bias,
-            seq_idx,
-            initial_states,
-            dy,
-            dfinal_states,
-            ctx.silu,
-            need_dinitial_states=ctx.needs_input_grad[4],
-        )
+        need_dinitial_states = ctx.needs_input_grad[4]
+        # ctx.saved_tensors: x, weight, bias, seq_idx, initial_states.
+        grads = causal_conv1d_bwd(ctx.saved_tensors, dy, dfinal_states, ctx.silu, need_dinitial_states)
+        dx, dweight, dbias, dinitial_states = grads
         return dx, dweight, dbias, None, dinitial_states, None, None, None
 
 
@@ -158,7 +134,8 @@ def causal_conv1d_fn(
     differentiable = (x, weight, bias, initial_states)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)):
         # Inference (a frozen target, decoding): the kernel without autograd.Function's bookkeeping, which is host
-        # time on every call; on the H200's host a call's launch path is comparable to the kernel at 1 x 8192.
+        # time on every call; for the short inputs of decoding, the launch path's host time is of the order of the
+        # kernel's own, so what it saves shows.
         out = final_states_out if return_final_states else None
         y, final_states = _forward(x, weight, bias, seq_idx, initial_states, return_final_states, out, silu)
         return (y, final_states) if return_final_states else y

@@ -113,7 +113,8 @@ def causal_conv1d_update_ref(
     cache_seqlens: torch.Tensor | None = None,
     conv_state_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference of `causal_conv1d_update`; updates `conv_state` in place.
+    """Reference of `causal_conv1d_update` in plain PyTorch, on any device and dtype (float64 included); updates the
+    rows of `conv_state` it selects in place.
 
     Args:
         x: `[B, D]` or `[B, D, L]`, the new inputs.

@@ -13,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.kernels.causal_conv1d.forward import INTERPRET, _empty_like_output, _sigmoid
+from flashdraft.kernels.causal_conv1d import common
 from flashdraft.kernels.causal_conv1d.reference import check_activation
+from flashdraft.kernels.utils import INTERPRET, as_mask, sigmoid
 
 _INTS = [
     "D",
@@ -86,7 +87,7 @@ def causal_conv1d_update_kernel(
         row = i_b
     # A negative cache row is a padding batch row: output 0, no state touched.
     valid = row >= 0
-    m_dv = m_d & valid
+    m_dv = m_d & as_mask(valid)
     c = 0
     if CIRCULAR:
         c = tl.load(cache_seqlens + i_b * stride_csl) % S
@@ -111,7 +112,7 @@ def causal_conv1d_update_kernel(
     if HAS_BIAS:
         acc += tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)[:, None]
     if SILU:
-        acc = acc * _sigmoid(acc)
+        acc = acc * sigmoid(acc)
     acc = tl.where(valid, acc, 0.0)
 
     # Every read of the old state above and below completes before the first write (tl.debug_barrier).
@@ -139,13 +140,6 @@ def causal_conv1d_update_kernel(
 
     p_y = y + i_b * stride_yb + o_d[:, None] * stride_yd + o_l[None, :] * stride_yl
     tl.store(p_y, acc.to(y.dtype.element_ty), mask=m_d[:, None] & m_l[None, :])
-
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _shape_str(t: torch.Tensor) -> str:
-    return f"{tuple(t.shape)} ({t.dtype}, {t.device})"
 
 
 class _Plan:
@@ -198,50 +192,43 @@ class _Plan:
 
 def _validate(x, conv_state, weight, bias, cache_seqlens, conv_state_indices):
     if x.dim() not in (2, 3):
-        raise ValueError(f"expected x of shape (B, D) or (B, D, L), got {_shape_str(x)}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"expected x of dtype float32, float16 or bfloat16, got {x.dtype}")
+        raise ValueError(f"expected x of shape (B, D) or (B, D, L), got {common.describe(x)}")
+    common.check_float("x", x)
     batch, dim = x.shape[:2]
     if x.dim() == 3 and x.shape[2] < 1:
-        raise ValueError(f"expected x with L >= 1 new tokens, got {_shape_str(x)}")
-    if weight.dim() != 2 or weight.shape[0] != dim or not 2 <= weight.shape[1] <= 4:
-        raise ValueError(f"expected weight of shape (D, W) = ({dim}, W) with 2 <= W <= 4, got {_shape_str(weight)}")
-    if weight.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"expected weight of dtype float32, float16 or bfloat16, got {weight.dtype}")
+        raise ValueError(f"expected x with L >= 1 new tokens, got {common.describe(x)}")
+    common.check_weight(weight, dim)
     width = weight.shape[1]
     if conv_state.dim() != 3 or conv_state.shape[1] != dim or conv_state.shape[2] < width - 1:
         raise ValueError(
             f"expected conv_state of shape (B_cache, D, state_len) = (B_cache, {dim}, >= {width - 1}), "
-            f"got {_shape_str(conv_state)}"
+            f"got {common.describe(conv_state)}"
         )
     if conv_state.dtype != x.dtype:
         raise ValueError(f"expected conv_state of the dtype of x ({x.dtype}), got {conv_state.dtype}")
     if conv_state_indices is None and conv_state.shape[0] != batch:
         raise ValueError(
-            f"expected conv_state with B = {batch} rows (or conv_state_indices), got {_shape_str(conv_state)}"
+            f"expected conv_state with B = {batch} rows (or conv_state_indices), got {common.describe(conv_state)}"
         )
-    if bias is not None and (bias.shape != (dim,) or bias.dtype not in _FLOAT_DTYPES or bias.stride(0) != 1):
+    if bias is not None and (bias.shape != (dim,) or bias.dtype not in common.FLOAT_DTYPES or bias.stride(0) != 1):
         raise ValueError(
             f"expected bias of shape (D,) = ({dim},), unit stride, float32, float16 or bfloat16, got "
-            f"{_shape_str(bias)} with stride {bias.stride()}"
+            f"{common.describe(bias)} with stride {bias.stride()}"
         )
     for name, t in (("cache_seqlens", cache_seqlens), ("conv_state_indices", conv_state_indices)):
         if t is not None and (t.shape != (batch,) or t.dtype != torch.int32):
-            raise ValueError(f"expected {name} of shape (B,) = ({batch},) and dtype torch.int32, got {_shape_str(t)}")
-    for name, t in (
-        ("conv_state", conv_state),
-        ("weight", weight),
-        ("bias", bias),
-        ("cache_seqlens", cache_seqlens),
-        ("conv_state_indices", conv_state_indices),
-    ):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"expected {name} on the device of x ({x.device}), got {t.device}")
-    if not (x.is_cuda or INTERPRET):
-        raise RuntimeError(
-            f"causal_conv1d_update runs a Triton kernel: it needs CUDA tensors, or TRITON_INTERPRET=1 set before "
-            f"flashdraft.kernels is imported; got x on {x.device}"
-        )
+            raise ValueError(
+                f"expected {name} of shape (B,) = ({batch},) and dtype torch.int32, got {common.describe(t)}"
+            )
+    common.check_devices(
+        x,
+        "causal_conv1d_update",
+        conv_state=conv_state,
+        weight=weight,
+        bias=bias,
+        cache_seqlens=cache_seqlens,
+        conv_state_indices=conv_state_indices,
+    )
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -314,7 +301,7 @@ def causal_conv1d_update(
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _Plan(x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices)
-    y = _empty_like_output(plan.y_shape, plan.dtype, plan.device)
+    y = common.empty_like_output(plan.y_shape, plan.dtype, plan.device)
     compiled = plan.compiled
     if (
         compiled is not None

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
-from flashdraft import ranks
+from flashdraft.distributed import ranks
 from flashdraft.train.checkpoint.manifest import (
     MANIFEST,
     SHARDED,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flashdraft import ranks
+from flashdraft.distributed import ranks
 from flashdraft.io import lock
 from flashdraft.io.atomic import atomic_write_text, replace_directory
 from flashdraft.io.space import room_for

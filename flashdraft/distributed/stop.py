@@ -12,7 +12,8 @@ import threading
 
 import torch
 
-from flashdraft.train import data_parallel, distributed
+from flashdraft.distributed import data_parallel
+from flashdraft.distributed.ranks import world
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -44,7 +45,7 @@ class GracefulStop:
 
     def requested(self, device: torch.device) -> bool:
         """Whether any rank got a stop signal (all ranks agree, so they stop after the same step)."""
-        if distributed.world().size == 1:
+        if world().size == 1:
             return self.signal_name is not None
         flag = torch.tensor([1.0 if self.signal_name else 0.0], device=device)
         return bool(data_parallel.all_sum(flag).item() > 0)

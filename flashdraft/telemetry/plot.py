@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from flashdraft.io.atomic import atomic_write_bytes
-from flashdraft.train.metrics import read_metrics
+from flashdraft.telemetry.metrics import read_metrics
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
-"""Data-parallel training over the ranks of a torchrun job (distributed.py): each rank's share of a step, sums over
+"""Data-parallel training over the ranks of a torchrun job (job.py): each rank's share of a step, sums over
 ranks, and the drafter and target sharded with FSDP2. In one process every function here is the identity.
 
-- Global batch: one optimizer step takes `train.batch_size x train.grad_accum x world` sequences. `step_indices`
-  cuts the step's samples (a pure function of (seed, step)) into `grad_accum x world` micro-batches; rank r takes
-  the r-th `grad_accum` of them. So 1 process with grad_accum=2 and 2 processes with grad_accum=1 train on the same
-  micro-batches, and the loss is normalised over the whole global step (`all_sum` of the weights): the same
-  losses up to the order of the sums.
+- Global batch: one optimizer step takes `train.batch_size x train.grad_accum x world` sequences. The data loader
+  (flashdraft.train.dataloader) cuts the step's samples (a pure function of (seed, step)) into `grad_accum x world`
+  micro-batches; rank r takes the r-th `grad_accum` of them (`rank_share`). So 1 process with grad_accum=2 and 2
+  processes with grad_accum=1 train on the same micro-batches, and the loss is normalised over the whole global
+  step (`all_sum` of the weights): the same losses up to the order of the sums.
 - Every rank holds the frozen target (replicated; `target.shard=true` shards its decoder layers with FSDP2) and
   the drafter under FSDP2 (`parallelize_drafter` says why not DDP).
 """
@@ -19,7 +19,7 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
-from flashdraft.train.distributed import world
+from flashdraft.distributed.ranks import world
 
 logger = logging.getLogger(__name__)
 

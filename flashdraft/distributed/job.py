@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from flashdraft.devices import resolve_device
-from flashdraft.ranks import World, world
+from flashdraft.distributed.ranks import World, world
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """MFU's numerator and denominator: the FLOPs of a training step (the cost model) and the dense bf16 peak of the
 GPU it runs on.
 
-    flops = step_flops(s, seq_tokens, labelled)      # one step of Setup `s`
+    flops = step_flops(s, seq_tokens, labelled)      # one step of a training Setup `s`
     peak = device_peak(torch.device("cuda"))         # None on the CPU and on a GPU missing from the table
     mfu = flops / seconds / peak.flops if peak else None
 
@@ -13,11 +13,11 @@ Which figure each row holds:
 - The vendor's datasheet rate of dense BF16 Tensor Core math (FP32 accumulate; half the 2:4-sparsity rate where
   that is the figure printed, as the row's source says). This is the usual MFU denominator, and it is the one used
   for every GPU but the H200.
-- The H200 (SXM): 790 TFLOP/s, the rate a large bf16 matmul measured on this project's H200 (80% of the
-  datasheet's 989.5). Every H200 MFU in bench/RESULTS.md, and the training-speed goals stated there, are
-  against 790; keeping it keeps them comparable. On the other GPUs MFU is against an upper bound no matmul
-  reaches, so it reads lower than an H200's for the same efficiency (on an H100 SXM, the H200's compute die, by
-  about 790 / 989); give `train.peak_tflops` a matmul rate measured there for like-for-like figures.
+- The H200 (SXM): the rate a large bf16 matmul reached on this project's H200 (`measured_tflops` of its row), not
+  the datasheet's. The H200 MFU figures of the benchmarks (docs/benchmarks.md) and the training-speed goals are
+  against that rate, and keeping it keeps them comparable. On the other GPUs MFU is against an upper bound no
+  matmul reaches, so it reads lower than an H200's for the same efficiency; give `train.peak_tflops` a matmul rate
+  measured there for like-for-like figures.
 """
 
 from __future__ import annotations

@@ -7,36 +7,36 @@ import pytest
 import torch
 
 from flashdraft import bundled
+from flashdraft.benchmarks import train_step as bench
 from flashdraft.config import load_config
 from flashdraft.drafter import DFlashDraftModel
-from flashdraft.train import step_timing
-from flashdraft.train.flops import step_flops
+from flashdraft.telemetry.flops import step_flops
 
 TINY = ["data.max_length=48", "recipe.num_anchors=5", "train.batch_size=2", "train.grad_accum=2"]
 
 
 def test_synthetic_sequences_are_seeded_and_all_response():
-    data = step_timing.SyntheticSequences(3, 17, 100, seed=4)
+    data = bench.SyntheticSequences(3, 17, 100, seed=4)
     ids, mask = data[1]
     assert ids.shape == (17,) and mask.tolist() == [1] * 17 and 0 <= ids.min() and ids.max() < 100
-    assert np.array_equal(step_timing.SyntheticSequences(3, 17, 100, seed=4)[1][0], ids)
+    assert np.array_equal(bench.SyntheticSequences(3, 17, 100, seed=4)[1][0], ids)
     assert not np.array_equal(data[2][0], ids)
     assert len(data) == 3 and data.epoch_order(5, 0) == [0, 1, 2]
 
 
 def test_run_train_step_times_every_phase():
     cfg = load_config(bundled.ASSETS / "train.yaml", TINY)
-    target, tokenizer = step_timing.load_bench_target(cfg)
-    s = step_timing.bench_setup(cfg, target, tokenizer=tokenizer, steps=3)
-    result = step_timing.run_train_step(s, cfg, warmup=1, steps=2)
+    target, tokenizer = bench.load_bench_target(cfg)
+    s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=3)
+    result = bench.run_train_step(s, cfg, warmup=1, steps=2)
     assert result["finite"] and result["attention"] == "sdpa" and not result["compiled"]
     assert result["seq_tokens"] == 2 * 2 * 48  # batch x accum x length
     assert result["labelled"] == 2 * 2 * 5 * (s.drafter.block_size - 1)  # every block position is a response token
-    assert set(result["phases_ms"]) == set(step_timing.PHASES) and all(v > 0 for v in result["phases_ms"].values())
+    assert set(result["phases_ms"]) == set(bench.PHASES) and all(v > 0 for v in result["phases_ms"].values())
     assert len(result["steps_s"]) == 2 and result["step_s"] >= sum(result["phases_ms"].values()) / 1e3 * 0.5
     assert len(result["warmup_steps_s"]) == 1 and result["warmup_steps_s"][0] > 0  # the untimed step, kept apart
     first = result["first_step_phases_ms"]  # where a first step's compiles went: its own phases
-    assert set(first) == set(step_timing.PHASES) and all(v > 0 for v in first.values())
+    assert set(first) == set(bench.PHASES) and all(v > 0 for v in first.values())
     assert sum(first.values()) / 1e3 <= result["warmup_steps_s"][0]
     assert result["flops"] == step_flops(s, result["seq_tokens"], result["labelled"])
     assert result["mfu"] is None and result["peak_gib"] is None  # no CUDA: no peak rate or memory to report
@@ -113,11 +113,11 @@ def test_step_flops_count_what_a_step_multiplies():
 
     overrides = ["data.max_length=32", "recipe.num_anchors=3", "train.batch_size=1", "train.grad_accum=1"]
     cfg = load_config(bundled.ASSETS / "train.yaml", overrides)
-    target, tokenizer = step_timing.load_bench_target(cfg)
-    s = step_timing.bench_setup(cfg, target, tokenizer=tokenizer, steps=1)
+    target, tokenizer = bench.load_bench_target(cfg)
+    s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=1)
     optimizer = build_optimizer(s.drafter.parameters(), cfg.optim, s.device)
     with FlopCounterMode(display=False) as counter:
-        stats, tokens, _ = loop.train_step(s, cfg, optimizer, 0)
+        stats, tokens, _ = loop.train_step(s, cfg, optimizer, s.batches.batch(0))
     counted = counter.get_flop_counts()["Global"]
     matmul = sum(n for op, n in counted.items() if str(op) in ("aten.mm", "aten.addmm"))
     labelled = int(stats.valid.sum())

@@ -6,11 +6,12 @@
 
 It builds the target and the drafter as `flashdraft train` does and runs `loop.train_step` — the function the
 trainer runs — on synthetic sequences of `data.max_length` random tokens, all of them response tokens (so each gets
-`recipe.num_anchors` blocks, the recipe's steady state). It reports steady-state seconds per step, sequence tokens/s,
-MFU of the trainer's cost model (`flops.step_flops`; the FLOP count is printed) against the GPU's peak
-(`flashdraft.train.flops`), peak GPU memory, and a CUDA-event breakdown: target
-forward, drafter forward, loss (LM head forward and its input gradient), drafter backward, optimizer.
-`bench/train_step.py` runs the same function beside a naive trainer on a random Qwen3.5-27B-shaped target.
+`recipe.num_anchors` blocks, the recipe's steady state), read through the trainer's data loader. It reports
+steady-state seconds per step, sequence tokens/s, MFU of the trainer's cost model (`telemetry.flops.step_flops`;
+the FLOP count is printed) against the GPU's peak, peak GPU memory, and a breakdown by phase from the marks
+`train_step` sets (`telemetry.timer.Timer`: CUDA events on a GPU): target forward, drafter forward, loss (LM head
+forward and its input gradient), drafter backward, optimizer. `bench/train_step.py` runs the same function beside a
+naive trainer on a random Qwen3.5-27B-shaped target.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from transformers import AutoTokenizer
 
 from flashdraft.devices import resolve_device, resolve_dtype
 from flashdraft.target import load_frozen_target
+from flashdraft.telemetry.flops import device_peak, step_flops
+from flashdraft.telemetry.timer import Timer
 from flashdraft.train import loop
 from flashdraft.train.compile import compile_drafter, compile_enabled
-from flashdraft.train.flops import device_peak, step_flops
+from flashdraft.train.dataloader import DataLoader
 from flashdraft.train.masks import attention_kind
 from flashdraft.train.optim import build_optimizer
 from flashdraft.train.setup import Setup, build_drafter, captured_layer_ids, tokenizer_path
@@ -37,7 +40,7 @@ PHASES = ("target", "drafter_fwd", "loss", "drafter_bwd", "optimizer")
 class SyntheticSequences:
     """`count` sequences of `length` random token ids (seeded per index), every position a response token.
 
-    Duck-types the `TokenizedDataset` reads of the training loop: `len`, `[i]` → (ids, loss_mask), `epoch_order`.
+    Duck-types the `TokenizedDataset` reads of the data loader: `len`, `[i]` → (ids, loss_mask), `epoch_order`.
     """
 
     def __init__(self, count: int, length: int, vocab_size: int, seed: int = 0) -> None:
@@ -54,53 +57,18 @@ class SyntheticSequences:
         return list(range(self.count))
 
 
-class PhaseTimer:
-    """`mark(phase)` callback for `train_step`: CUDA events on the GPU (no sync inside the step), wall clock on the
-    CPU. `start()` before a step, `stop()` after it → (wall seconds, {phase: ms}), phases of micro-batches summed."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: list[tuple[str, object]] = []
-
-    def _now(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def start(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.wall = time.perf_counter()
-        self.marks = [("start", self._now())]
-
-    def __call__(self, phase: str) -> None:
-        self.marks.append((phase, self._now()))
-
-    def stop(self) -> tuple[float, dict[str, float]]:
-        if self.cuda:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - self.wall
-        phases: dict[str, float] = {}
-        for (_, a), (name, b) in zip(self.marks, self.marks[1:], strict=False):
-            ms = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-            phases[name] = phases.get(name, 0.0) + ms
-        return wall, phases
-
-
 def measure(step, device: torch.device, warmup: int, steps: int) -> dict:
     """Run `step(mark)` warmup + steps times; medians of the timed steps, peak memory of the timed steps only. The
     warm-up steps' walls are kept too: in a new process the first one is what compiling and autotuning cost, and
     its phases say where (the GPU waits for the host's compiles, so its events span them)."""
-    timer = PhaseTimer(device)
+    timer = Timer(device)
     walls, phases, warmup_walls, warmup_phases = [], [], [], []
     for i in range(warmup + steps):
         if i == warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        timer.start()
-        step(timer)
-        wall, ms = timer.stop()
+        timer.lap()  # the step's lap starts here
+        step(timer.mark)
+        wall, ms = timer.lap(), timer.lap_marks
         if i >= warmup:
             walls.append(wall)
             phases.append(ms)
@@ -128,7 +96,8 @@ def bench_setup(cfg, target, *, tokenizer=None, steps: int = 8):
     per_step = cfg.train.batch_size * cfg.train.grad_accum
     data = SyntheticSequences(steps * per_step, cfg.data.max_length, target.lm_head_weight.shape[0], cfg.train.seed)
     peak = device_peak(device, cfg.train.peak_tflops)
-    return Setup(device, tokenizer, target, drafter, data, steps, steps, peak=peak)
+    batches = DataLoader.from_config(cfg, data, drafter, device)
+    return Setup(device, tokenizer, target, drafter, batches, steps, peak=peak)
 
 
 def run_train_step(s, cfg, *, warmup: int = 2, steps: int = 4) -> dict:
@@ -138,7 +107,8 @@ def run_train_step(s, cfg, *, warmup: int = 2, steps: int = 4) -> dict:
 
     def step(mark):
         i = counts.setdefault("step", 0)
-        stats, tokens, finite = loop.train_step(s, cfg, optimizer, i % s.total_steps, mark=mark)
+        batch = s.batches.batch(i % s.total_steps)  # inside the timed step, as the trainer reads each step
+        stats, tokens, finite = loop.train_step(s, cfg, optimizer, batch, mark=mark)
         counts.update(step=i + 1, tokens=tokens, labelled=int(stats.valid.sum()), finite=finite)
 
     result = measure(step, s.device, warmup, steps)
@@ -202,7 +172,7 @@ def table(rows: list[dict]) -> str:
 
 
 def load_bench_target(cfg):
-    """The config's frozen target and tokenizer, as `setup.load_inputs` loads them."""
+    """The config's frozen target and tokenizer, as `train.setup.load_inputs` loads them."""
     device = resolve_device(cfg.train.device, field="train.device")
     dtype = resolve_dtype(cfg.target.dtype, device)
     torch.manual_seed(cfg.train.seed)

@@ -1,10 +1,10 @@
-"""This process's place among the ranks of a job, and a barrier over them: what a module below train/ needs to run
-under torchrun. Without a process group (one process) it is rank 0 of 1 and the barrier does nothing.
+"""This process's place among the ranks of a job, and a barrier over them. Without a process group (one process)
+it is rank 0 of 1 and the barrier does nothing.
 
     here = ranks.world()          # World(rank, size, local_rank); here.is_main on rank 0
     ranks.barrier()               # every rank waits here for the others
 
-The process group itself (set up, torn down, errors that stop every rank) is flashdraft.train.distributed's.
+The process group itself (set up, torn down, errors that stop every rank) is `job.py`'s.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class World:
 
 
 def initialized() -> bool:
-    """Whether a process group is initialised (under torchrun, inside `train.distributed.session`)."""
+    """Whether a process group is initialised (under torchrun, inside `job.session`)."""
     return dist.is_available() and dist.is_initialized()
 
 

@@ -21,8 +21,8 @@ acc@1 shown), tok_s, draft_tok_s, mfu (a fraction; None is shown as "MFU –", u
 key goes to the JSON line. The line is printed whole, never wrapped at the console's width, so a log file or a pipe
 holds one line per log step; the progress bar is drawn only on a terminal.
 
-Trackers (wandb, tensorboard, trackio) live in `flashdraft.train.trackers`; they receive the run config through
-`redact`. The curve is drawn by `flashdraft.train.plot`.
+Trackers (wandb, tensorboard, trackio) live in `trackers.py`; they receive the run config through `redact`. The
+curve is drawn by `plot.py`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from flashdraft.io.atomic import atomic_write_text
 from flashdraft.io.redact import redact
-from flashdraft.train.trackers import Tracker, check_trackers, open_tracker
+from flashdraft.telemetry.trackers import Tracker, check_trackers, open_tracker
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.torchrun import RUN, run_env, torchrun
+from tests.distributed.torchrun import RUN, run_env, torchrun
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flashdraft.train import flops, loop
-from flashdraft.train.metrics import format_line
+from flashdraft.telemetry import flops
 
 CUDA = torch.device("cuda")
 
@@ -81,32 +80,6 @@ def test_a_given_peak_wins_and_a_cpu_has_none(gpu):
     assert flops.device_peak(CUDA, override_tflops=500.0).flops == 500e12
     assert flops.device_peak(torch.device("cpu")) is None
     assert flops.describe(torch.device("cpu"), None) is None
-
-
-def _window_stats():
-    """LossStats of a log window: 3 of 4 positions right, on a drafter of block size 3."""
-    from flashdraft.train.loss.stats import LossStats
-
-    return LossStats(
-        loss_sum=torch.tensor(8.0),
-        weight_sum=torch.tensor(4.0),
-        correct=torch.tensor([0, 2, 1]),
-        valid=torch.tensor([0, 2, 2]),
-        accepted=torch.tensor(3),
-        blocks=torch.tensor(2),
-    )
-
-
-@pytest.mark.parametrize("peak, mfu", [(None, None), (flops.Peak(1e9, "test"), 0.2)])
-def test_summarize_reports_mfu_against_the_devices_peak_or_unknown(monkeypatch, peak, mfu):
-    monkeypatch.setattr(loop, "step_flops", lambda s, tokens, labelled: 2e8 * (tokens == 100 and labelled == 4))
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 2**30)
-    s = SimpleNamespace(device=CUDA, peak=peak)
-    row = loop.summarize(_window_stats(), (100, 4, 1.0), s, lr=1e-4)
-    assert row["mfu"] == mfu and row["loss"] == 2.0 and row["mem_gib"] == 1.0
-    assert ("MFU –" in format_line(1, row)) == (mfu is None)
-    cpu = loop.summarize(_window_stats(), (100, 4, 1.0), SimpleNamespace(device=torch.device("cpu"), peak=None), 1e-4)
-    assert "mfu" not in cpu and "MFU" not in format_line(1, cpu)
 
 
 @pytest.mark.gpu
