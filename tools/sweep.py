@@ -59,6 +59,13 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     ),
     # Trained on FP8 features, decoded against the bf16 target like every variant (a GPU with FP8: sm89+).
     "fp8": ("the target's linear layers in FP8 while training", ["target.precision=fp8"]),
+    # The drafter families (docs/families.md): DSpark's heads and loss on the same backbone.
+    "dspark": ("DSpark: Markov (rank 256) and confidence heads, its loss", ["drafter.family=dspark"]),
+    "dspark_slots": (
+        "DSpark in DFlash's block slots (the anchor's slot drafts nothing)",
+        ["drafter.family=dspark", "drafter.dspark.sample_from_anchor=false"],
+    ),
+    "from_shipped": ("started from the shipped drafter (flashdraft/bundled/drafter)", ["drafter.init_from=bundled"]),
 }
 DEFAULT_VARIANTS = "baseline,dpace,lk,spread,gamma4,layers5,anchors256"
 TEMPERATURES = (0.0, 1.0)

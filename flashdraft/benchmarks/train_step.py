@@ -32,7 +32,7 @@ from flashdraft.train.compile import compile_drafter, compile_enabled
 from flashdraft.train.dataloader import DataLoader
 from flashdraft.train.masks import attention_kind
 from flashdraft.train.optim import build_optimizer
-from flashdraft.train.setup import Setup, build_drafter, captured_layer_ids, tokenizer_path
+from flashdraft.train.setup import Setup, build_drafter, captured_layer_ids, needs_target_distribution, tokenizer_path
 
 PHASES = ("target", "drafter_fwd", "loss", "drafter_bwd", "optimizer")
 
@@ -182,7 +182,7 @@ def load_bench_target(cfg):
         device=device,
         dtype=dtype,
         num_features=cfg.drafter.num_layers,
-        final_hidden=cfg.recipe.labels == "target",
+        final_hidden=needs_target_distribution(cfg),
     )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(cfg), trust_remote_code=cfg.target.trust_remote_code)
     return target, tokenizer

@@ -119,8 +119,36 @@ def build_heads(config: PreTrainedConfig) -> tuple[MarkovHead | None, Confidence
     return markov, confidence
 
 
+def with_family(drafter, family: str, fields: dict[str, Any] | None, where: str = "the drafter"):
+    """`drafter` as a drafter of `family` with `fields`: itself when it is one already (a ValueError names a field
+    that differs); else a new drafter of that family holding its backbone, the heads of the new family freshly
+    initialised (the old family's heads dropped)."""
+    wanted = family_config_fields(family, fields)
+    if drafter.family == family:
+        differ = [
+            f"{k} {family_value(drafter.config, k)!r} (asked: {v!r})"
+            for k, v in wanted.items()
+            if family_value(drafter.config, k) != v
+        ]
+        if differ:
+            raise ValueError(f"{where} is a {family} drafter with other fields: {'; '.join(differ)}")
+        return drafter
+    config = drafter.config.to_dict()
+    config["architectures"] = [FAMILIES[family].architecture]
+    backbone = {k: v for k, v in config["dflash_config"].items() if k in ("mask_token_id", "target_layer_ids")}
+    config["dflash_config"] = {**backbone, **wanted}
+    config.pop("auto_map", None)
+    converted = type(drafter)(type(drafter.config).from_dict(config))
+    result = converted.load_state_dict(drafter.state_dict(), strict=False)
+    backbone_missing = [k for k in result.missing_keys if not k.startswith(("markov_head.", "confidence_head."))]
+    if backbone_missing:
+        raise ValueError(f"{where}: its backbone lacks {backbone_missing[:4]}")
+    return converted.to(next(drafter.parameters()).dtype)
+
+
 __all__ = [
     "DSPARK_FIELDS",
+    "with_family",
     "build_heads",
     "FAMILIES",
     "Family",

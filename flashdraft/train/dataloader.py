@@ -94,9 +94,11 @@ class DataLoader:
         mask_token_id: int,
         device: torch.device,
         width: int | None = None,
+        offset: int = 0,
     ) -> None:
         self.data, self.device, self.width = data, device, width
         self.block_size, self.mask_token_id = block_size, mask_token_id
+        self.offset = offset  # what each block slot drafts (`DraftBatch.offset`: the drafter's family says)
         self.recipe: RecipeConfig = cfg.recipe
         self.batch_size, self.seed = cfg.train.batch_size, cfg.train.seed
         self.per_step = sequences_per_step(cfg)
@@ -110,7 +112,7 @@ class DataLoader:
         where `train.static_shapes` resolves to them."""
         static = static_shapes(cfg.train.static_shapes, cfg.train.compile, device)
         width = cfg.data.max_length if static else None
-        return cls(data, cfg, drafter.block_size, drafter.mask_token_id, device, width)
+        return cls(data, cfg, drafter.block_size, drafter.mask_token_id, device, width, drafter.draft_offset)
 
     # ---- the place -------------------------------------------------------------------------------------------
 
@@ -159,7 +161,12 @@ class DataLoader:
             generator = anchor_generator(self.seed, epoch, index)
             anchors.append(
                 sample_anchors(
-                    mask[row], self.recipe.num_anchors, self.block_size, generator, self.recipe.anchor_sampling
+                    mask[row],
+                    self.recipe.num_anchors,
+                    self.block_size,
+                    generator,
+                    self.recipe.anchor_sampling,
+                    self.offset,
                 )
             )
             # Drawn after the anchors, so that the anchors do not depend on recipe.reveal.
@@ -177,7 +184,7 @@ class DataLoader:
             ids, mask = pad_positions(ids, self.width), pad_positions(mask, self.width)
             num_blocks = self.recipe.num_anchors
         return build_blocks(
-            ids, mask, anchors, self.block_size, self.mask_token_id, self.recipe.gamma, num_blocks, reveals
+            ids, mask, anchors, self.block_size, self.mask_token_id, self.recipe.gamma, num_blocks, reveals, self.offset
         )
 
     def _epoch_order(self, epoch: int) -> list[int]:

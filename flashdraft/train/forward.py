@@ -8,7 +8,7 @@ every micro-batch (loop.train_step).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -18,6 +18,7 @@ from flashdraft.train.blocks import before_labels
 from flashdraft.train.compile import compile_enabled
 from flashdraft.train.dataloader import MicroBatch
 from flashdraft.train.loss import LossStats, Objective, dflash_loss
+from flashdraft.train.loss.dspark import DSparkWeights, dspark_loss
 from flashdraft.train.masks import attention_kind, drafter_mask
 
 
@@ -38,6 +39,7 @@ class Drafting:
     soft_labels: bool  # recipe.labels: target, the target's own distribution before each label
     compile_loss: bool
     features: object | None = None  # an offline FeatureStore: read instead of running the target
+    dspark: DSparkWeights | None = None  # a DSpark drafter's loss weights (None: the DFlash loss)
 
     @classmethod
     def of(cls, cfg: RunConfig, s) -> Drafting:
@@ -52,6 +54,7 @@ class Drafting:
             cfg.recipe.labels == "target",
             compile_enabled(cfg.train.compile, s.device),
             s.features,
+            DSparkWeights(**asdict(cfg.recipe.dspark)) if cfg.drafter.family == "dspark" else None,
         )
 
     def normaliser(self, batch: list[MicroBatch]) -> torch.Tensor:
@@ -62,7 +65,7 @@ class Drafting:
         """(loss, stats) of one micro-batch, its loss divided by `denominator`. `mark(phase)` is called as each
         phase has been queued: "target", "drafter_fwd", "loss"."""
         blocks, teacher_hidden = micro.blocks, None
-        if self.soft_labels:
+        if self.soft_labels or self.dspark is not None:
             features, final = self.target.capture(micro.input_ids, micro.attention_mask, final=True)
             teacher_hidden = before_labels(final, blocks)
         elif self.features is not None:
@@ -81,6 +84,10 @@ class Drafting:
                 target_hidden=features,
             )
         mark("drafter_fwd")
+        if self.dspark is not None:
+            loss, stats = self._dspark_loss(micro, hidden, teacher_hidden, denominator)
+            mark("loss")
+            return loss, stats
         loss, stats = dflash_loss(
             hidden,
             self.target.lm_head_weight,
@@ -94,3 +101,32 @@ class Drafting:
         )
         mark("loss")
         return loss, stats
+
+    def _dspark_loss(self, micro: MicroBatch, hidden, teacher_hidden, denominator) -> tuple[torch.Tensor, LossStats]:
+        """DSpark's loss (train/loss/dspark.py): its heads read the true token before each drafted one."""
+        blocks, drafter = micro.blocks, self.drafter
+        prev = before_labels(micro.input_ids, blocks)  # (B, Q): the anchor, then the labels, block by block
+        shape = (hidden.shape[0], -1, blocks.block_size)
+        markov = confidence = w2 = None
+        with autocast(self.device):
+            if drafter.markov_head is not None:
+                blocked = drafter.markov_head.block_features(prev.view(shape), hidden.view(*shape, hidden.shape[-1]))
+                markov, w2 = blocked.flatten(1, 2), drafter.markov_head.markov_w2.weight
+            if drafter.confidence_head is not None:
+                confidence = drafter.confidence_logits(hidden, prev)
+        return dspark_loss(
+            hidden,
+            self.target.lm_head_weight,
+            teacher_hidden,
+            blocks.labels,
+            blocks.weights,
+            block_size=blocks.block_size,
+            markov=markov,
+            markov_w2=w2,
+            confidence_logits=confidence,
+            loss_weights=self.dspark,
+            objective=self.objective,
+            offset=blocks.offset,
+            denominator=denominator,
+            compile_chunks=self.compile_loss,
+        )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,6 +29,7 @@ from flashdraft.distributed import data_parallel
 from flashdraft.distributed.job import main_first
 from flashdraft.distributed.ranks import world
 from flashdraft.drafter import DFlashDraftModel
+from flashdraft.drafter.families import with_family
 from flashdraft.target import FrozenTarget, check_fp8, glue_compile_enabled, load_frozen_target
 from flashdraft.telemetry.flops import Peak, describe, device_peak, step_flops
 from flashdraft.telemetry.timer import Timer
@@ -82,7 +83,7 @@ def planned_step_flops(cfg: RunConfig, target, drafter, sequences: int) -> float
     """The cost model's FLOPs of one global step of `sequences` sequences, each at data.max_length tokens with
     recipe.num_anchors full blocks: what a step costs at most."""
     tokens = sequences * cfg.data.max_length
-    labelled = sequences * min(cfg.recipe.num_anchors, cfg.data.max_length) * (drafter.block_size - 1)
+    labelled = sequences * min(cfg.recipe.num_anchors, cfg.data.max_length) * drafter.num_drafts
     return step_flops(SimpleNamespace(target=target, drafter=drafter), tokens, labelled)
 
 
@@ -116,7 +117,7 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
                 device=load_on,
                 dtype=dtype,
                 num_features=cfg.drafter.num_layers,
-                final_hidden=cfg.recipe.labels == "target",
+                final_hidden=needs_target_distribution(cfg),
             )
             if cfg.target.shard:
                 data_parallel.shard_target(target.model, device)
@@ -176,12 +177,26 @@ def _init_from_dir(cfg: RunConfig) -> Path:
     return bundled.drafter_dir() if cfg.drafter.init_from == bundled.BUNDLED else Path(cfg.drafter.init_from)
 
 
+def needs_target_distribution(cfg: RunConfig) -> bool:
+    """Whether training reads the target's own next-token distributions (its final hidden states and LM head):
+    recipe.labels = target, or DSpark's loss."""
+    return cfg.recipe.labels == "target" or cfg.drafter.family == "dspark"
+
+
+def family_fields(cfg: RunConfig) -> dict | None:
+    """The family fields of the drafter the config asks for (None for DFlash, which has none)."""
+    return asdict(cfg.drafter.dspark) if cfg.drafter.family == "dspark" else None
+
+
 def build_drafter(cfg: RunConfig, target: FrozenTarget | HeadTarget, tokenizer) -> DFlashDraftModel:
-    """The drafter to train, in float32: drafter.init_from's (checked against the config and the target), else a
-    new one shaped from the target (seeded by train.seed)."""
+    """The drafter to train, in float32: drafter.init_from's (checked against the config and the target; of
+    another family, its backbone with the config's family's heads, new), else a new one shaped from the target
+    (seeded by train.seed)."""
     if cfg.drafter.init_from:
         source = _init_from_dir(cfg)
         drafter = DFlashDraftModel.from_pretrained(source)
+        torch.manual_seed(cfg.train.seed)  # the heads a change of family adds
+        drafter = with_family(drafter, cfg.drafter.family, family_fields(cfg), f"drafter.init_from ({source})")
         for name, want, got in (
             ("block_size", cfg.drafter.block_size, drafter.block_size),
             ("num_layers", cfg.drafter.num_layers, len(drafter.layers)),
@@ -205,5 +220,7 @@ def build_drafter(cfg: RunConfig, target: FrozenTarget | HeadTarget, tokenizer) 
         target_layer_ids=target.target_layer_ids,
         mask_token_id=cfg.drafter.mask_token_id,
         tokenizer=tokenizer,
+        family=cfg.drafter.family,
+        family_fields=family_fields(cfg),
         **cfg.drafter.overrides,
     ).float()
