@@ -22,19 +22,35 @@ also compared with autoregressive decoding (`greedy_mismatches`: expected 0 in f
 near-ties, because a verification and a one-token step round differently). `--context-lengths` decodes the prompts
 again, each left-padded to each length with held-out text (`flashdraft.speculative.context`), and reports tau and
 speedup per method per length. The report is printed and drawn by `flashdraft.speculative.report`.
+
+Where the time goes (`flashdraft.speculative.prompt_stats`): `per_prompt` has a row per prompt and method (prompt
+tokens, new tokens, prefill ms, first-round ms, steady round ms = the median of the rounds after the first, rounds,
+tau, backend); `prefill_ms` is DFlash's mean time to the first token, `steady_speedup` its decode-phase tokens/s
+(prefill excluded) over autoregressive decoding's, beside the end-to-end `speedup` (it is the implied ceiling
+measured: tau x step / round is the same ratio); every method has the same figures under `methods`, with the mean
+first round and the median over prompts of each one's steady round. `slow_prompts` names the prompts whose steady
+round time is over twice the median of their method's prompts: such a prompt was decoded differently (graphs
+captured again, the plain loop, a host synchronisation per token, a growing cache), which the totals hide (each
+`context_lengths` entry has its own `per_prompt` and `slow_prompts`). A drafter with a confidence head (DSpark) adds
+`confidence_calibration`: per draft position, its mean predicted acceptance over the rounds that reached the
+position against the acceptance observed in them, and the predicted survival against the observed rate of accepting
+every draft up to it. The baselines verify as many tokens per round as the drafter (a drafter whose anchor slot
+drafts verifies one more), so that every method shares one engine and its graphs.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 import torch
 
 from flashdraft.speculative.baselines import autoregressive_generate, mtp_generate, prompt_lookup_generate
 from flashdraft.speculative.context import ContextFiller
-from flashdraft.speculative.engine.session import prepare
+from flashdraft.speculative.engine.session import prepare, verify_width
 from flashdraft.speculative.generate import generate, use_engine, validate_refine
+from flashdraft.speculative.prompt_stats import Calibration, prompt_row, slow_prompts
 from flashdraft.speculative.prompts import Prompt
 from flashdraft.speculative.result import GenerationResult
 from flashdraft.speculative.sampling import validate_verify
@@ -57,12 +73,23 @@ class Tally:
     acceptance_lengths: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
     position_offered: list[int] = field(default_factory=list)
+    # Tokens after the first (decoded by rounds); per generation: prefill, first-round and steady round seconds.
+    decode_tokens: int = 0
+    prefills: list[float] = field(default_factory=list)
+    first_rounds: list[float] = field(default_factory=list)
+    steady_rounds: list[float] = field(default_factory=list)
 
     def add(self, result: GenerationResult) -> None:
         self.tokens += len(result.tokens)
         self.seconds += result.total_time
         self.decode_seconds += result.total_time - result.time_to_first_token
+        self.decode_tokens += max(len(result.tokens) - 1, 0)
         self.rounds += result.num_rounds
+        self.prefills.append(result.time_to_first_token)
+        if result.num_rounds:
+            self.first_rounds.append(result.first_round_time)
+        if result.num_rounds > 1:
+            self.steady_rounds.append(result.steady_round_time)
         self.acceptance_lengths += result.acceptance_lengths
         for name in ("position_accepted", "position_offered"):
             mine, theirs = getattr(self, name), getattr(result, name)
@@ -73,6 +100,25 @@ class Tally:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else math.nan
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens per second of the decode phase: after the first token, prefill excluded."""
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else math.nan
+
+    @property
+    def prefill_ms(self) -> float:
+        """Mean milliseconds to the first token."""
+        return 1e3 * statistics.fmean(self.prefills) if self.prefills else math.nan
+
+    @property
+    def first_round_ms(self) -> float:
+        return 1e3 * statistics.fmean(self.first_rounds) if self.first_rounds else math.nan
+
+    @property
+    def steady_round_ms(self) -> float:
+        """The median over generations of each one's steady round time (the median of its rounds after the first)."""
+        return 1e3 * statistics.median(self.steady_rounds) if self.steady_rounds else math.nan
 
     @property
     def round_ms(self) -> float:
@@ -109,6 +155,9 @@ def _summary(tallies: dict[str, Tally], num_prompts: int) -> dict:
         "acceptance_length_mean": dflash.tau,
         "acceptance_length_p95": dflash.p95,
         "speedup": _ratio(dflash.tokens_per_second, ar.tokens_per_second),
+        # Decode-phase tokens/s over AR's (prefill excluded; equal to the implied ceiling), mean time to first token.
+        "steady_speedup": _ratio(dflash.decode_tokens_per_second, ar.decode_tokens_per_second),
+        "prefill_ms": dflash.prefill_ms,
         "decode_step_ms": ar.round_ms,
         "round_ms": dflash.round_ms,
         # tau x step / round: what the per-round cost allows at this tau (prefill excluded).
@@ -125,6 +174,10 @@ def _summary(tallies: dict[str, Tally], num_prompts: int) -> dict:
                 "tokens_per_second": tallies[m].tokens_per_second,
                 "speedup": _ratio(tallies[m].tokens_per_second, ar.tokens_per_second),
                 "round_ms": tallies[m].round_ms,
+                "steady_speedup": _ratio(tallies[m].decode_tokens_per_second, ar.decode_tokens_per_second),
+                "prefill_ms": tallies[m].prefill_ms,
+                "first_round_ms": tallies[m].first_round_ms,
+                "steady_round_ms": tallies[m].steady_round_ms,
                 "per_position_acceptance": tallies[m].position_acceptance,
             }
             for m in ran
@@ -147,6 +200,9 @@ class _Run:
     # Prompts whose greedy output differs from autoregressive decoding's, per method.
     mismatches: dict[str, int] = field(default_factory=dict)
     backends: set[str] = field(default_factory=set)
+    # One row per prompt and method (`prompt_stats.prompt_row`); DFlash's confidence predictions.
+    rows: list[dict] = field(default_factory=list)
+    calibration: Calibration = field(default_factory=Calibration)
 
 
 def evaluate(
@@ -193,6 +249,8 @@ def evaluate(
     device = next(target.parameters()).device
     # Decided once: every method decodes on the same path.
     engine = use_engine(target, engine, drafter, refine, temperature)
+    # The baselines verify as wide a block as the drafter: one engine (and its graphs) serves every method.
+    width = verify_width(block_size, drafter)
 
     def decode(method: str, input_ids: torch.Tensor, max_new: int, seed: int) -> GenerationResult:
         gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
@@ -203,10 +261,8 @@ def evaluate(
         if method == "dflash":
             return generate(target, drafter, input_ids, max_new, block_size=block_size, refine=refine, **common)
         if method == "mtp":
-            return mtp_generate(
-                target, mtp_head, input_ids, max_new, num_drafts=mtp_drafts, block_size=block_size, **common
-            )
-        return prompt_lookup_generate(target, input_ids, max_new, block_size=block_size, **common)
+            return mtp_generate(target, mtp_head, input_ids, max_new, num_drafts=mtp_drafts, block_size=width, **common)
+        return prompt_lookup_generate(target, input_ids, max_new, block_size=width, **common)
 
     sets: list[tuple[int | None, list[Prompt]]] = [(None, prompts)]
     for length in context_lengths or ():
@@ -229,6 +285,8 @@ def evaluate(
     mismatches = {m: sum(run.mismatches[m] for run in runs) for m in methods if m != "autoregressive"}
     report = {
         **_summary(main.overall, len(prompts)),
+        "per_prompt": main.rows,
+        "slow_prompts": slow_prompts(main.rows),
         "per_position_acceptance": dflash.position_acceptance,
         "acceptance_length_histogram": {
             str(length): dflash.acceptance_lengths.count(length) for length in range(1, block_size + 1)
@@ -248,6 +306,8 @@ def evaluate(
     }
     if "mtp" in methods:
         report["mtp_drafts"] = mtp_drafts
+    if getattr(drafter, "confidence_head", None) is not None:
+        report["confidence_calibration"] = main.calibration.table()
     if context_lengths:
         report["context_filler_tokens"] = min(context_filler.distinct_tokens(p.source) for p in prompts)
         report["context_lengths"] = [
@@ -255,6 +315,8 @@ def evaluate(
                 "context_length": length,
                 "prompt_tokens_mean": sum(p.input_ids.shape[-1] for p in group) / len(group),
                 **_summary(run.overall, len(group)),
+                "per_prompt": run.rows,
+                "slow_prompts": slow_prompts(run.rows),
             }
             for (length, group), run in zip(sets[1:], runs[1:], strict=True)
         ]
@@ -275,6 +337,9 @@ def _decode_all(decode, methods, prompts: list[Prompt], max_new_tokens, seed, te
             run.backends.add(result.backend)
             run.overall[method].add(result)
             run.per_category.setdefault(prompt.category, {m: Tally() for m in methods})[method].add(result)
+            run.rows.append(prompt_row(i, prompt.category, method, result, length))
+            if method == "dflash":
+                run.calibration.add(result)
         run.counts[prompt.category] = run.counts.get(prompt.category, 0) + 1
         if temperature <= 0 and "autoregressive" in outputs:
             for method in methods:

@@ -76,6 +76,9 @@ class DFlashProposer:
     A drafter of any family (`flashdraft.drafter.families`): a DSpark drafter's anchor slot drafts too, and its
     Markov head chains the drafts of a pass left to right, each drawn from q given the drafts before it; the
     returned distributions are those q, which is what verification must check against to stay exact.
+
+    With a confidence head (DSpark's), `propose` also leaves `confidence`: c_k = sigmoid(`confidence_logits`) of each
+    draft given the token before it (the anchor, then the drafts), which the loop only reports.
     """
 
     def __init__(
@@ -103,6 +106,8 @@ class DFlashProposer:
         self.cache = DynamicCache()
         self.cached = 0
         self.new_features: list[torch.Tensor] = []
+        self.predicts_acceptance = getattr(drafter, "confidence_head", None) is not None
+        self.confidence: torch.Tensor | None = None  # (k,) of the last proposal, with a confidence head
 
     def observe(self, features: torch.Tensor) -> None:
         self.new_features.append(features.to(self.dtype))
@@ -117,7 +122,7 @@ class DFlashProposer:
         block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=tokens.device)
         block[0, 0] = tokens[-1]
         temperature = self.sampling[0]
-        drafts, probs, fixed = [], [], 0
+        drafts, probs, confidence, fixed = [], [], [], 0
         for keep in (*[k for k in self.refine if k < num_drafts], num_drafts):
             positions = torch.arange(anchor - context.shape[1], anchor + self.block_size, device=tokens.device)[None]
             hidden = self.drafter(
@@ -140,9 +145,14 @@ class DFlashProposer:
             else:
                 probs.append(sampling_probs(self.drafter.compute_logits(slots, self.lm_head), *self.sampling))
                 drafts.append(sample(probs[-1], self.generator))
+            if self.predicts_acceptance:
+                # Each draft after the token before it: the anchor (or the last fixed draft), then this pass's drafts.
+                prev = torch.cat([block[0, fixed : fixed + 1], drafts[-1][:-1]])
+                confidence.append(torch.sigmoid(self.drafter.confidence_logits(slots, prev)))
             if keep < num_drafts:
                 block[0, 1 + fixed : 1 + keep] = drafts[-1]
             fixed = keep
+        self.confidence = torch.cat(confidence) if confidence else None
         return torch.cat(drafts), torch.cat(probs) if probs else None
 
     def _walk(self, slots: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -238,9 +248,11 @@ def speculative_decode(
     result.tokens.append(first)
     if layers is not None:
         proposer.observe(_features(out, layers, 0, prompt.shape[0]))
-    result.time_to_first_token = _now(device) - start
+    tick = _now(device)
+    result.time_to_first_token = tick - start
     result.stopped = first in stops
     snapshot = None
+    predicts = getattr(proposer, "predicts_acceptance", False)
 
     while len(result.tokens) < max_new_tokens and not result.stopped:
         want = min(num_drafts, max_new_tokens - len(result.tokens) - 1)
@@ -262,6 +274,9 @@ def speculative_decode(
         else:
             target_probs = sampling_probs(logits, temperature, top_p, top_k)
             accepted, bonus = rejection_sample(drafts if k else seq[:0], draft_probs, target_probs, generator, verify)
+        if predicts:  # read now, before more work is enqueued behind it
+            result.confidences.append(proposer.confidence.tolist() if k else [])
+        result.drafts_accepted.append(accepted)
         for i in range(k):
             result.position_offered[i] += 1
             result.position_accepted[i] += i < accepted
@@ -285,6 +300,10 @@ def speculative_decode(
         if n - 1 - committed > max_deferred and not result.stopped and len(result.tokens) < max_new_tokens:
             forward(seq[committed : n - 1], 1, features=False)
             committed = n - 1
+        # The round's tokens were read on the host above (its synchronisation): the clock needs no other.
+        now = time.perf_counter()
+        result.round_times.append(now - tick)
+        tick = now
     result.total_time = _now(device) - start
     return result
 

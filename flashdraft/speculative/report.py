@@ -3,8 +3,13 @@
     print_report(report)              # DFlash overall and per category; every method side by side; context lengths
     write_plot(report, "eval.png")    # DFlash's acceptance lengths, every method's acceptance by position and tau
 
-Columns: PL is prompt lookup, AR autoregressive decoding, `x AR` / `x PL` DFlash's speedup over them; in the
-table of every method, the speedup is each method's over autoregressive decoding.
+Columns: PL is prompt lookup, AR autoregressive decoding, `x AR` / `x PL` DFlash's end-to-end speedup over them,
+`ceiling` tau x AR's decode step / DFlash's round; in the table of every method, the speedup is each method's over
+autoregressive decoding. Then where the time goes, per method: the mean prefill (time to the first token) and first
+round, the median steady round (per prompt, the median of its rounds after the first), and the steady-state speedup
+(decode phase, prefill excluded: the measured ceiling) beside the end-to-end one; a warning names the prompts whose
+steady rounds were over twice their method's median (with what may cause it). A drafter with a confidence head
+(DSpark) gets a table of its calibration: predicted against observed acceptance per draft position.
 """
 
 from __future__ import annotations
@@ -67,9 +72,19 @@ def print_report(report: dict, console=None) -> None:
         f"({report.get('backend', '?')}): implied ceiling tau x step / round = {_fmt(report['implied_ceiling'])}x, "
         f"measured speedup {_fmt(report['speedup'])}x (prompt processing included)"
     )
+    console.print(
+        f"DFlash: prefill {_fmt(report.get('prefill_ms'))} ms per prompt, steady-state speedup "
+        f"{_fmt(report.get('steady_speedup'))}x (decode phase, prefill excluded: the ceiling), end-to-end speedup "
+        f"{_fmt(report['speedup'])}x"
+    )
     _print_methods(report, console)
+    if "per_prompt" in report:
+        _print_timing(report, console)
+    if report.get("confidence_calibration"):
+        _print_calibration(report, console)
     if report.get("context_lengths"):
         _print_context_lengths(report, console)
+    _warn_slow_prompts(report, console)
     if report["greedy_mismatches"]:
         which = ", ".join(f"{LABELS[m]} {n}" for m, n in report["greedy_mismatches_by_method"].items() if n)
         console.print(
@@ -98,6 +113,76 @@ def _print_methods(report: dict, console) -> None:
             shown,
         )
     console.print(table)
+
+
+def _print_timing(report: dict, console) -> None:
+    """Per method: mean prefill and first round, median steady round, the mean round, and the speedups."""
+    from rich.table import Table
+
+    table = Table(title="where the time goes (per prompt: mean prefill and first round, median steady round)")
+    columns = ("method", "prefill ms", "first round ms", "steady ms / round", "ms / round", "steady x AR", "speedup")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for method, s in report["methods"].items():
+        table.add_row(
+            _label(report, method),
+            _fmt(s.get("prefill_ms")),
+            _fmt(s.get("first_round_ms")),
+            _fmt(s.get("steady_round_ms")),
+            _fmt(s["round_ms"]),
+            _fmt(s.get("steady_speedup"), 2, "x"),
+            _fmt(s["speedup"], 2, "x"),
+        )
+    console.print(table)
+
+
+def _warn_slow_prompts(report: dict, console) -> None:
+    """A warning naming each prompt whose steady rounds were over twice its method's median, with a hint why."""
+    from rich.text import Text
+
+    from flashdraft.speculative.prompt_stats import SLOW_FACTOR, SLOW_HINT
+
+    slow = [(None, row) for row in report.get("slow_prompts") or ()]
+    for entry in report.get("context_lengths") or ():
+        slow += [(entry["context_length"], row) for row in entry.get("slow_prompts") or ()]
+    if not slow:
+        return
+    lines = [
+        f"  {LABELS[r['method']]}, prompt {r['prompt'] + 1} ({r['category']}, {r['prompt_tokens']} tokens"
+        + ("" if length is None else f", context {length}")
+        + f", {r['backend']}): steady round {_fmt(r['steady_round_ms'])} ms, {_fmt(r['times_median'], 1)}x the "
+        f"median {_fmt(r['median_steady_round_ms'])} ms; prefill {_fmt(r['prefill_ms'])} ms, first round "
+        f"{_fmt(r['first_round_ms'])} ms"
+        for length, r in slow
+    ]
+    head = f"warning: {len(slow)} prompt(s) with steady rounds over {SLOW_FACTOR:g}x their method's median:"
+    # As plain text: a category is the user's, and brackets in it must not read as markup.
+    console.print(Text("\n".join([head, *lines, f"  hint: {SLOW_HINT}"]), style="yellow"))
+
+
+def _print_calibration(report: dict, console) -> None:
+    """The confidence head's predicted acceptance per draft position against the observed."""
+    from rich.table import Table
+
+    table = Table(title="confidence head: predicted against observed acceptance, by draft position")
+    columns = ("draft", "predicted c", "observed", "rounds reached", "predicted survival", "observed survival")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in report["confidence_calibration"]:
+        table.add_row(
+            str(row["position"]),
+            _fmt(row["predicted"], 3),
+            _fmt(row["observed"], 3),
+            str(row["rounds"]),
+            _fmt(row["predicted_survival"], 3),
+            _fmt(row["observed_survival"], 3),
+        )
+    console.print(table)
+    console.print(
+        "predicted c: mean c_k over the rounds in which every earlier draft was accepted; observed: the fraction "
+        "of them that accepted draft k. Survival: prod c_j (j <= k) against the fraction of rounds accepting drafts "
+        "1 .. k."
+    )
 
 
 def _print_context_lengths(report: dict, console) -> None:

@@ -67,10 +67,14 @@ def test_eval_end_to_end(models, tmp_path, capsys):
         "--no-progress",
     )
     assert args.run(args) == 0
-    report = json.loads(out_json.read_text())
+    report = _strict_json(out_json)
     for key in (
         "tau",
         "speedup",
+        "steady_speedup",
+        "prefill_ms",
+        "per_prompt",
+        "slow_prompts",
         "prompt_lookup_tau",
         "per_category",
         "per_position_acceptance",
@@ -99,6 +103,40 @@ def test_eval_end_to_end(models, tmp_path, capsys):
     _assert_plot_drawn(out_png, report)
     printed = capsys.readouterr().out
     assert "overall" in printed and "chat" in printed
+    _assert_time_per_prompt(report, printed)
+
+
+def _strict_json(path):
+    """The report, refusing NaN and Infinity (which json writes by default but strict parsers reject)."""
+
+    def refuse(constant):
+        raise AssertionError(f"{path} holds {constant}: not strict JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def _assert_time_per_prompt(report, printed):
+    """A row per prompt and method with its time per phase; the summaries of it; what the tables print."""
+    rows = report["per_prompt"]
+    assert len(rows) == report["num_prompts"] * len(report["methods_run"])
+    assert {(r["method"], r["prompt"]) for r in rows} == {
+        (m, i) for m in report["methods_run"] for i in range(report["num_prompts"])
+    }
+    for row in rows:
+        assert row["new_tokens"] == report["max_new_tokens"] and row["prompt_tokens"] > 0
+        assert row["prefill_ms"] > 0 and row["first_round_ms"] > 0 and row["steady_round_ms"] > 0
+        assert row["rounds"] == pytest.approx((row["new_tokens"] - 1) / row["tau"])
+    dflash = [r for r in rows if r["method"] == "dflash"]
+    assert report["prefill_ms"] == pytest.approx(sum(r["prefill_ms"] for r in dflash) / len(dflash))
+    for method, figures in report["methods"].items():
+        assert figures["prefill_ms"] > 0 and figures["steady_round_ms"] > 0, method
+    assert report["steady_speedup"] == report["methods"]["dflash"]["steady_speedup"] > 0
+    # Decode-phase tokens/s over AR's is what tau x step / round measures.
+    assert report["steady_speedup"] == pytest.approx(report["implied_ceiling"])
+    assert isinstance(report["slow_prompts"], list)
+    assert "where the time goes" in printed
+    assert f"steady-state speedup {report['steady_speedup']:.2f}x" in printed
+    assert f"end-to-end speedup {report['speedup']:.2f}x" in printed
 
 
 def _decode_directly(models, prompts_path, max_new_tokens, block_size):
@@ -413,3 +451,70 @@ def test_eval_verify_chooses_how_sampled_drafts_are_verified(models, tmp_path, c
     with pytest.raises(SystemExit) as exit_info:
         main([*common, "--verify", "tree"])
     assert exit_info.value.code == 2 and "invalid choice: 'tree'" in capsys.readouterr().err
+
+
+def test_eval_of_a_dspark_drafter_reports_its_confidence_calibration(tmp_path, capsys):
+    """A drafter with a confidence head: its predicted acceptance per draft position against the observed, in the
+    JSON (strict: positions no round reached are null) and as a table."""
+    target = tiny_target("qwen3", dtype=torch.float32, seed=21, vocab_size=64)
+    target.save_pretrained(tmp_path / "target")
+    _tokenizer().save_pretrained(tmp_path / "target")
+    random_drafter(target, block_size=4, seed=23, family="dspark").save_pretrained(tmp_path / "drafter")
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": f"the {w} sat on the mat"}) for w in WORDS[:3]])
+    out_json = tmp_path / "r.json"
+    args = _args(
+        *("--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts)),
+        *("--max-new-tokens", "12", "--json", str(out_json), "--no-progress", "--ignore-eos", "--device", "cpu"),
+    )
+    assert args.run(args) == 0
+    report = _strict_json(out_json)
+    table = report["confidence_calibration"]
+    # sample_from_anchor (DSpark's default): the anchor's slot drafts too, block_size drafts per round.
+    assert [row["position"] for row in table] == [1, 2, 3, 4]
+    # Position 1 is reached by every round that drafted (all but a last one left a single token to emit).
+    rounds = sum(report["acceptance_length_histogram"].values())
+    assert rounds - 3 <= table[0]["rounds"] == table[0]["survival_rounds"] <= rounds
+    for row in table:
+        assert set(row) == {
+            "position",
+            "predicted",
+            "observed",
+            "rounds",
+            "predicted_survival",
+            "observed_survival",
+            "survival_rounds",
+        }
+        assert (row["predicted"] is None) == (row["observed"] is None) == (row["rounds"] == 0)
+        assert 0 < row["predicted_survival"] < 1
+    printed = capsys.readouterr().out
+    assert "confidence head: predicted against observed acceptance" in printed
+    # Prompt lookup verifies as wide a block as the drafter (its anchor slot drafts: one token more).
+    assert len(report["methods"]["prompt_lookup"]["per_position_acceptance"]) == 4
+
+
+def test_slow_prompts_are_named_in_a_warning(models, tmp_path, capsys):
+    """A report whose DFlash prompt 2 ran its steady rounds at 5x the median prints a warning naming it, its
+    numbers and what may cause it."""
+    from rich.console import Console
+
+    from flashdraft.speculative.report import print_report
+
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": f"the {w} sat on the mat"}) for w in WORDS[:3]])
+    out_json = tmp_path / "r.json"
+    common = ["--max-new-tokens", "8", "--json", str(out_json), "--no-progress", "--device", "cpu"]
+    args = _args(
+        *common, "--target", str(models / "target"), "--drafter", str(models / "drafter"), "--prompts", str(prompts)
+    )
+    assert args.run(args) == 0
+    report = _strict_json(out_json)
+    capsys.readouterr()
+    row = next(r for r in report["per_prompt"] if r["method"] == "dflash" and r["prompt"] == 1)
+    slow = {**row, "category": "[bold]code", "steady_round_ms": 50.0, "median_steady_round_ms": 10.0}
+    report["slow_prompts"] = [{**slow, "times_median": 5.0}]
+    console = Console(width=200, record=True)
+    print_report(report, console=console)
+    text = console.export_text()
+    assert "warning: 1 prompt(s) with steady rounds over 2x their method's median:" in text
+    assert "DFlash, prompt 2 ([bold]code" in text and "steady round 50.00 ms, 5.0x the median 10.00 ms" in text
+    assert "recaptured" in text or "captured again" in text
+    assert "fallback to the plain loop" in text and "host synchronisation per token" in text

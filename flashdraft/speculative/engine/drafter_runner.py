@@ -17,7 +17,9 @@ overwritten later.
 A drafter with a Markov head (DSpark) picks its drafts left to right inside the same step (`DFlashDraftModel.walk`):
 greedily, or, when sampling, each drawn from q given the drafts before it with Gumbel noise drawn before the step
 (`sampling.gumbel_pick`), its q kept in `probs` for verification. Its anchor slot drafts too: a block of bs then
-gives bs drafts, and the engine verifies bs + 1 tokens.
+gives bs drafts, and the engine verifies bs + 1 tokens. A drafter with a confidence head also fills `confidence`
+in the step: c_k = sigmoid(`confidence_logits`) of each draft given the token before it (the plain loop's
+`DFlashProposer.confidence`), only reported, read by the host with the round's tokens.
 """
 
 from __future__ import annotations
@@ -88,6 +90,12 @@ class DrafterRunner:
         probs_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         self.probs = torch.zeros(self.num_drafts, vocab, dtype=probs_dtype, device=self.device) if sampled else None
         self.noise = torch.zeros(self.num_drafts, vocab, device=self.device) if sampled else None
+        # A confidence head's predicted acceptance of each draft (float32, as the head computes it); on a GPU a
+        # pinned copy, which the host reads beside the round's tokens.
+        confident = getattr(drafter, "confidence_head", None) is not None
+        self.confidence = torch.zeros(self.num_drafts, device=self.device) if confident else None
+        cuda = confident and self.device.type == "cuda"
+        self.host_confidence = torch.zeros(self.num_drafts, pin_memory=True) if cuda else None
         self.mask_token_id = int(drafter.mask_token_id)
         self.refine: tuple[int, ...] = ()
         self.step = Step(self._draft, "draft")
@@ -117,18 +125,24 @@ class DrafterRunner:
         With `refine` the drafts are greedy and made in passes: after each, the first `refine[i]` drafts go into the
         block in place of their MASKs and the step runs again (nothing is pending then, so it redrafts the block
         over the cached context). Only device operations: it can be enqueued before the host reads anything. Then
-        `logits` holds the last pass's, which are not the kept drafts' own."""
+        `logits` holds the last pass's, which are not the kept drafts' own; `confidence` those of the passes that
+        fixed each draft, as the plain loop computes them."""
         if self.noise is not None:
             self.noise.copy_(gumbel_noise(self.noise.shape, self.generator, self.device))
         self.step()
         fixed = 0
+        kept = None if self.confidence is None or not self.refine else torch.empty_like(self.confidence)
         for keep in self.refine:
             self.block_ids[1 + fixed : 1 + keep].copy_(self.drafts[fixed:keep])
+            if kept is not None:
+                kept[fixed:keep].copy_(self.confidence[fixed:keep])
             fixed = keep
             self.step()
         if fixed:
             self.drafts[:fixed].copy_(self.block_ids[1 : 1 + fixed])
             self.block_ids[1:].fill_(self.mask_token_id)
+            if kept is not None:
+                self.confidence[:fixed].copy_(kept[:fixed])
 
     def _cache_context(self, attn, context: torch.Tensor, positions: torch.Tensor, cache) -> None:
         length, dim = context.shape[0], attn.head_dim
@@ -167,6 +181,11 @@ class DrafterRunner:
             drafts = logits.argmax(dim=-1)
         self.logits.copy_(logits)
         self.drafts.copy_(drafts)
+        if self.confidence is not None:
+            # Each draft after the token before it: the anchor, then the drafts. (A drafter that drafts in passes
+            # has no Markov head, so its confidence head does not read them.)
+            prev = torch.cat([self.block_ids[:1], drafts[:-1]])
+            self.confidence.copy_(torch.sigmoid(drafter.confidence_logits(slots, prev)))
         self.context.copy_(anchor)
         self.pending.zero_()
 

@@ -10,8 +10,9 @@ of the plain loop.
 One round: the drafter's step (pending context features, then the block) -> the target's verification of the
 block -> acceptance on the device (argmax agreement, or rejection sampling) -> commit of the accepted prefix
 and the next anchor, all enqueued without waiting; then one read of the accepted length and tokens, the only
-host synchronisation of the round. Every round verifies a full block (static shapes); near `max_new_tokens`
-only the first `want` drafts count, which can cut acceptance only in the round that ends the generation.
+host synchronisation of the round (a clock read there times the round: `GenerationResult.round_times`). Every
+round verifies a full block (static shapes); near `max_new_tokens` only the first `want` drafts count, which can
+cut acceptance only in the round that ends the generation.
 
 Engines are kept per target (`session`) and rebuilt only when a longer context, another block size or other
 feature layers are needed, so that the CUDA graphs are captured once for many generations.
@@ -257,8 +258,10 @@ def engine_decode(
         runner.prefill(engine.prompt_features)
         runner.block_ids[0] = last
     history = prompt.tolist() + [last] if lookup is not None else None
-    result.time_to_first_token = _now(device) - start
+    tick = _now(device)
+    result.time_to_first_token = tick - start
     result.stopped = last in stops
+    predicts = isinstance(runner, DrafterRunner) and runner.confidence is not None
 
     drafted = False  # the runner already drafted this round's block (enqueued by the previous round)
     while len(result.tokens) < max_new_tokens and not result.stopped:
@@ -281,17 +284,21 @@ def engine_decode(
                 drafts = proposed.to(device)
                 engine.verify_ids[0] = last
         result.num_target_forwards += 1
+        confidence = []
         if drafts is None:
             new = [_decode_step(engine, last, sampling, generator)]
         else:
             want = drafts.shape[0]
             # Draft the next block before reading this round's result when a next round surely follows.
             ahead = runner is not None and len(result.tokens) + want + 2 < max_new_tokens
-            new = _verify_round(engine, runner, drafts, draft_probs, sampling, generator, ahead, verify)
+            new, confidence = _verify_round(engine, runner, drafts, draft_probs, sampling, generator, ahead, verify)
             drafted = ahead
             for i in range(want):
                 result.position_offered[i] += 1
                 result.position_accepted[i] += i < len(new) - 1
+        result.drafts_accepted.append(len(new) - 1)
+        if predicts:
+            result.confidences.append(confidence or [])
         for j, token in enumerate(new):
             if token in stops:
                 new, result.stopped = new[: j + 1], True
@@ -301,6 +308,10 @@ def engine_decode(
         last = new[-1]
         if history is not None:
             history.extend(new)
+        # The round's tokens were read on the host (its synchronisation): the clock needs no other.
+        now = time.perf_counter()
+        result.round_times.append(now - tick)
+        tick = now
     result.total_time = _now(device) - start
     return result
 
@@ -313,8 +324,9 @@ def _decode_step(engine: TargetEngine, token: int, sampling, generator) -> int:
 
 def _verify_round(
     engine, runner, drafts, draft_probs, sampling, generator, draft_ahead: bool = False, verify: str = "block"
-) -> list[int]:
-    """Verify `drafts` (after the anchor already in verify_ids[0]), commit the accepted prefix; the emitted tokens.
+) -> tuple[list[int], list[float] | None]:
+    """Verify `drafts` (after the anchor already in verify_ids[0]), commit the accepted prefix; the emitted tokens,
+    and the drafter's predicted acceptance of each draft (`DrafterRunner.confidence`; None without one).
 
     draft_ahead: also enqueue the runner's next draft (it needs only device values) before the host reads the
     result, so that the GPU drafts while the host reads and enqueues the next verification.
@@ -339,12 +351,18 @@ def _verify_round(
         runner.block_ids[:1].copy_(bonus.view(1))
     # The one host synchronisation of the round.
     values = torch.cat([accepted.view(1), bonus.view(1), drafts])
+    confidence = getattr(runner, "confidence", None)
+    confidence = None if confidence is None else confidence[:want]
     host = None
     if draft_ahead:
         if engine.host_values is not None:  # on a GPU: read through pinned memory while the draft runs
             host = engine.host_values[: values.shape[0]]
             host.copy_(values, non_blocking=True)
+            if confidence is not None:
+                confidence = runner.host_confidence[:want].copy_(confidence, non_blocking=True)
             engine.read_event.record()
+        elif confidence is not None:
+            confidence = confidence.clone()  # the next draft overwrites the runner's buffer
         runner.draft()
     if host is not None:
         engine.read_event.synchronize()
@@ -353,4 +371,4 @@ def _verify_round(
         values = values.tolist()
     count = values[0]
     engine.note_committed(count + 1)
-    return values[2 : 2 + count] + [values[1]]
+    return values[2 : 2 + count] + [values[1]], None if confidence is None else confidence.tolist()
