@@ -302,12 +302,6 @@ class RunConfig:
             ),
             ("recipe.loss", self.recipe.loss in ("ce", "lk"), "must be ce or lk"),
             ("recipe.labels", self.recipe.labels in ("token", "target"), "must be token or target"),
-            (
-                "recipe.labels",
-                not (self.recipe.labels == "target" and self.data.features),
-                "target needs the live target's last layer and LM head; offline features (data.features) hold only "
-                "the captured layers: use recipe.labels=token with data.features",
-            ),
             ("recipe.reveal", 0 <= self.recipe.reveal < 1, "must be in [0, 1) (0: every block all MASK, the paper's)"),
             ("recipe.lk_eta", self.recipe.lk_eta >= 0, "must be >= 0 (0 is cross-entropy; 3 is the LK paper's)"),
             ("optim.lr", self.optim.lr > 0, "must be > 0"),

@@ -13,7 +13,10 @@ A features directory (local, or any fsspec URL such as s3://; S3 endpoint from A
     head.safetensors              the target's input embedding and LM head
     part-RRRRR-KKKKK.safetensors  rank R's K-th shard: tensor "<sample index>" = (T, n * D) hidden states of the
                                   captured layers only, concatenated as `FrozenTarget.capture` returns them, in the
-                                  target's dtype (bf16 on GPUs)
+                                  target's dtype (bf16 on GPUs); with `final_hidden` in the index, (T, (n + 1) * D):
+                                  the target's final-normed last hidden state after them (what DSpark's loss and
+                                  recipe.labels=target read: the target's own next-token distributions), n + 1 / n
+                                  of the bytes
 
 Each sequence is captured alone (no padding), as the online trainer does with train.batch_size=1, so online and
 offline training on the same data give the same losses (with larger batches the online capture pads, which can
@@ -115,7 +118,7 @@ def _write_features(target, data, out: str, s3, sharded: bool, target_path: str 
         if fs.exists(f"{root}/{INDEX}"):
             fs.rm_file(f"{root}/{INDEX}")
     ranks.barrier()
-    width = len(target.target_layer_ids) * target.hidden_size
+    width = (len(target.target_layer_ids) + int(target.final_hidden)) * target.hidden_size
     needed = (data.num_tokens * width + 2 * target.lm_head_weight.numel()) * target.dtype.itemsize
     with room_for(
         out,
@@ -154,7 +157,10 @@ def _capture(target, data, out: str, fs, root: str, here, sharded: bool, target_
         if index >= len(data) and not sharded:
             break
         x = torch.tensor(ids, dtype=torch.long, device=device)[None]
-        captured = target.capture(x, torch.ones_like(x))[0]
+        if target.final_hidden:  # the final hidden states after the captured layers' (see the module docstring)
+            captured = torch.cat(target.capture(x, torch.ones_like(x), final=True), dim=-1)[0]
+        else:
+            captured = target.capture(x, torch.ones_like(x))[0]
         if index >= len(data):
             continue
         buffer[str(index)] = captured.cpu().contiguous()
@@ -186,6 +192,7 @@ def _capture(target, data, out: str, fs, root: str, here, sharded: bool, target_
             "target": str(target.name_or_path or target_path),
             "target_layer_ids": list(target.target_layer_ids),
             "hidden_size": int(target.hidden_size),
+            "final_hidden": bool(target.final_hidden),
             "dtype": str(target.dtype).replace("torch.", ""),
             "data_hash": data.meta["content_hash"],
             "num_samples": len(data),
@@ -212,7 +219,8 @@ class FeatureStore:
         self.fs, self.root = _fs(url, s3)
         self.attempts = (s3 or S3Config()).attempts
         self.index = _read_index(self.fs, self.root, url)
-        self.width = len(self.index["target_layer_ids"]) * int(self.index["hidden_size"])
+        self.final_hidden = bool(self.index.get("final_hidden", False))  # written before the field existed: no
+        self.width = (len(self.index["target_layer_ids"]) + self.final_hidden) * int(self.index["hidden_size"])
         self._headers: dict[str, tuple[int, dict]] = {}
 
     def check_data(self, data) -> None:
@@ -252,13 +260,29 @@ class FeatureStore:
         dtype = _DTYPES[entry["dtype"]]
         return torch.frombuffer(bytearray(raw), dtype=dtype).view(entry["shape"])
 
-    def batch(self, indices: list[int], length: int) -> torch.Tensor:
-        """(B, length, n * D) features of samples `indices`, right-padded with zeros like their token batch."""
+    def require_final(self) -> None:
+        """A DataError unless the store holds the target's final hidden states (`final_hidden`)."""
+        if not self.final_hidden:
+            raise DataError(
+                f"data.features = {self.url}: holds no final hidden states of the target, which DSpark's loss and "
+                "recipe.labels=target read: capture them again with this config (`flashdraft features` stores them "
+                "for such a config)"
+            )
+
+    def batch(self, indices: list[int], length: int, final: bool = False):
+        """(B, length, n * D) features of samples `indices`, right-padded with zeros like their token batch; with
+        `final`, also (B, length, D) the target's final hidden states (a DataError if the store holds none)."""
+        if final:
+            self.require_final()
         rows = [self.sample(i) for i in indices]
         out = torch.zeros(len(rows), length, self.width, dtype=rows[0].dtype)
         for row, x in enumerate(rows):
             out[row, : x.shape[0]] = x
-        return out.to(self.device, non_blocking=True)
+        out = out.to(self.device, non_blocking=True)
+        if not self.final_hidden:
+            return out
+        hidden = int(self.index["hidden_size"])
+        return (out[..., :-hidden], out[..., -hidden:]) if final else out[..., :-hidden]
 
     def _header(self, name: str) -> tuple[int, dict]:
         """(offset of the data, header) of a safetensors file: an 8-byte little-endian length, then JSON."""
@@ -322,6 +346,8 @@ def _read_index(fs, root: str, url: str) -> dict:
         raise bad(
             f"format {index.get('format')!r}, not {FORMAT}: capture the features again with this version", "format"
         )
+    if not isinstance(index.get("final_hidden", False), bool):  # absent in indices written before it existed
+        raise bad(f"expected true or false, got {index['final_hidden']!r:.80}", "final_hidden")
     for field, (ok, expected) in _INDEX_FIELDS.items():
         if field not in index:
             raise bad("missing", field)

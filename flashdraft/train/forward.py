@@ -65,13 +65,15 @@ class Drafting:
         """(loss, stats) of one micro-batch, its loss divided by `denominator`. `mark(phase)` is called as each
         phase has been queued: "target", "drafter_fwd", "loss"."""
         blocks, teacher_hidden = micro.blocks, None
-        if self.soft_labels or self.dspark is not None:
-            features, final = self.target.capture(micro.input_ids, micro.attention_mask, final=True)
-            teacher_hidden = before_labels(final, blocks)
-        elif self.features is not None:
-            features = self.features.batch(micro.indices, micro.input_ids.shape[1])
+        # The target's own distributions (its final hidden states) for recipe.labels = target and DSpark's loss.
+        final = self.soft_labels or self.dspark is not None
+        if self.features is not None:
+            features = self.features.batch(micro.indices, micro.input_ids.shape[1], final=final)
         else:
-            features = self.target.capture(micro.input_ids, micro.attention_mask)
+            features = self.target.capture(micro.input_ids, micro.attention_mask, final=final)
+        if final:
+            features, states = features
+            teacher_hidden = before_labels(states, blocks)
         # Static shapes: the drafter sees data.max_length positions in every micro-batch (the target still runs on
         # the real width; its features are padded after).
         features = micro.pad(features)

@@ -109,6 +109,8 @@ def load_inputs(cfg: RunConfig, out: Path, console, *, offline: bool | None = No
     with timer.phase("target"):
         if offline:
             features = FeatureStore(cfg.data.features, device=device, s3=cfg.s3)
+            if needs_target_distribution(cfg):
+                features.require_final()  # before minutes of tokenising
             target = features.head_target(layer_ids)
         else:
             target = load_frozen_target(

@@ -93,6 +93,26 @@ def test_offline_training_gives_the_online_losses(features, data, tmp_path):
     assert a == b
 
 
+DSPARK = ["drafter.family=dspark", "drafter.dspark.markov_rank=16"]
+
+
+def test_dspark_trains_offline_on_features_with_the_final_hidden_states(features, data, tmp_path):
+    """DSpark's loss reads the target's final hidden states: its features store them after the captured layers
+    (6 of 5 layers' width), and training on them gives the online losses; a store without them is refused before
+    training, naming itself."""
+    root, _ = features
+    store_dir = tmp_path / "features"
+    _write(_cfg(data, tmp_path / "write", *DSPARK), str(store_dir))
+    store = FeatureStore(str(store_dir))
+    assert store.final_hidden and store.sample(0).shape[-1] == 6 * 256
+    online, offline = tmp_path / "online", tmp_path / "offline"
+    loop.train(_cfg(data, online, *DSPARK))
+    loop.train(_cfg(data, offline, *DSPARK, f"data.features={store_dir}"))
+    assert _losses(offline) == _losses(online)
+    with pytest.raises(ValueError, match="holds no final hidden states"):
+        loop.train(_cfg(data, tmp_path / "refused", *DSPARK, f"data.features={root / 'features'}"))
+
+
 def test_two_ranks_write_the_features_of_one(features, data, tmp_path):
     root, _ = features
     out = tmp_path / "two"
