@@ -19,6 +19,9 @@ captured layer is 61), then per sequence length, 512 anchors x 16, batch 1:
   --try K=V    adds flashdraft with one more override (repeatable), e.g. --try target.cudnn_attention=true;
                target.precision=fp8 converts the shared target's linears in place (one-way), so the FP8 variants
                run after every bf16 one, at every length
+  --family F   adds every variant again as a drafter of family F (dspark: DSpark's heads and loss, which read the
+               target's final hidden states, so its target runs all 64 layers; the same weights as the DFlash
+               variants' 62)
   --profile-target  GPU time of one `FrozenTarget.capture` by kernel family and the top kernels (where the target
                forward, most of a long-sequence step, goes)
 Each: warmup steps, then timed steps: median wall seconds per step (synchronised), sequence tokens/s, MFU of one FLOP
@@ -73,13 +76,14 @@ def target_config(d: naive.Dims, num_layers: int, smoke: bool):
     return cfg
 
 
-def build_target(d: naive.Dims, full_layers: int, device: str, dtype: torch.dtype, smoke: bool):
-    """Random weights, initialised on the device in `dtype` (no fp32 or CPU copy of 27B parameters)."""
+def build_target(d: naive.Dims, full_layers: int, device: str, dtype: torch.dtype, smoke: bool, whole: bool = False):
+    """Random weights, initialised on the device in `dtype` (no fp32 or CPU copy of 27B parameters): the layers up to
+    the last captured one, or all of them (`whole`: a DSpark variant reads the final hidden states)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
 
     full = target_config(d, full_layers, smoke)
     kept = copy.deepcopy(full)
-    kept.num_hidden_layers = max(d.layer_ids) + 1
+    kept.num_hidden_layers = full_layers if whole else max(d.layer_ids) + 1
     kept.layer_types = full.layer_types[: kept.num_hidden_layers]
     torch.manual_seed(0)
     default = torch.get_default_dtype()
@@ -90,6 +94,20 @@ def build_target(d: naive.Dims, full_layers: int, device: str, dtype: torch.dtyp
     finally:
         torch.set_default_dtype(default)
     return model, full
+
+
+def target_view(model):
+    """A causal LM sharing `model`'s weights but not its list of layers or its config: FrozenTarget truncates the model
+    it is given (to the last captured layer for DFlash, to none for DSpark), and each family's target is made from
+    one model this way."""
+    view = copy.copy(model)
+    view._modules = dict(model._modules)
+    decoder = copy.copy(model.model)
+    decoder._modules = dict(model.model._modules)
+    decoder.layers = torch.nn.ModuleList(list(model.model.layers))
+    view._modules["model"] = decoder
+    view.config = decoder.config = copy.deepcopy(model.config)
+    return view
 
 
 def flashdraft_config(d: naive.Dims, seq: int, device: str, overrides: list[str]):
@@ -398,6 +416,14 @@ def main() -> None:
         metavar="section.field=value",
         help="also flashdraft with this override added (repeatable)",
     )
+    ap.add_argument(
+        "--family",
+        dest="families",
+        action="append",
+        default=[],
+        choices=["dspark"],
+        help="also every variant as a drafter of this family (repeatable)",
+    )
     ap.add_argument("--skip-naive", action="store_true")
     ap.add_argument("--profile-target", action="store_true", help="GPU time of the target's capture by kernel")
     ap.add_argument("overrides", nargs="*", metavar="section.field=value", help="flashdraft config overrides")
@@ -423,7 +449,7 @@ def main() -> None:
         d = naive.Dims()
         seqs, full_layers, device, dtype = args.seq or [3072], 64, "cuda", torch.bfloat16
     t0 = time.time()
-    model, full_config = build_target(d, full_layers, device, dtype, args.smoke)
+    model, full_config = build_target(d, full_layers, device, dtype, args.smoke, whole=bool(args.families))
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"built the random target: {model.config.num_hidden_layers} of {full_layers} layers, {n_params / 1e9:.2f}B "
@@ -449,8 +475,6 @@ def main() -> None:
 
     from flashdraft.target import FrozenTarget
 
-    target = FrozenTarget(model, list(d.layer_ids), config=full_config)
-    print(f"flashdraft target fast path: {target.fastpath_report.summary()}", flush=True)
     variants = [("flashdraft" + (f"[{','.join(args.overrides)}]" if args.overrides else ""), list(args.overrides))]
     if args.ablate:
         variants += [
@@ -458,27 +482,44 @@ def main() -> None:
             ("flashdraft[eager,sdpa]", [*args.overrides, "train.compile=false", "train.attention=sdpa"]),
         ]
     variants += [(f"flashdraft[{extra}]", [*args.overrides, extra]) for extra in args.tries]
-    # FP8 converts the shared target in place (its bf16 weights are freed): every bf16 variant runs first.
+    variants += [(f"{label} {f}", [*o, f"drafter.family={f}"]) for f in args.families for label, o in variants]
+    targets = {}
+
+    def target_of(overrides):
+        """The family's target (DSpark: every layer kept), made once per precision from the shared model."""
+        whole = "drafter.family=dspark" in overrides
+        if whole not in targets:
+            targets[whole] = FrozenTarget(target_view(model), list(d.layer_ids), config=full_config, final_hidden=whole)
+            print(f"flashdraft target fast path: {targets[whole].fastpath_report.summary()}", flush=True)
+        return targets[whole]
+
+    # FP8 converts the shared model in place (its bf16 weights are freed): every bf16 variant runs first, and the
+    # FP8 phase starts with the target that keeps every layer, so that all of them are converted.
     for precision in ("bf16", "fp8"):
         chosen = [(label, o) for label, o in variants if precision_of(d, seqs[0], device, o) == precision]
+        chosen.sort(key=lambda v: ("drafter.family=dspark" in v[1]) != (precision == "fp8"))
+        targets.clear()
         for seq in seqs if chosen else ():
             # Each length compiles its own static graphs, as it would run alone (a training run's varying lengths
             # get one dynamic graph after the second length instead).
             torch._dynamo.reset()
             if args.ablate and device == "cuda" and precision == "bf16":
-                rows.append(target_sdpa_backends(target, d, seq))
+                rows.append(target_sdpa_backends(target_of(chosen[0][1]), d, seq))
                 print(rows[-1], flush=True)
             if args.profile_target and precision == "bf16":
-                rows.append(target_profile(target, d, seq, device))
+                rows.append(target_profile(target_of(chosen[0][1]), d, seq, device))
                 print_target_profile(rows[-1])
             for label, overrides in chosen:
                 t1 = time.time()
+                target = target_of(overrides)
                 rows.append(run_flashdraft(target, d, seq, device, args.warmup, args.steps, overrides, label))
                 rows[-1]["wall_incl_compile_s"] = time.time() - t1
                 print(step_timing.table([rows[-1]]) if "error" not in rows[-1] else rows[-1], flush=True)
                 write_report(args, rows, seqs, flops, t0)
             if precision == "fp8" and args.profile_target:
-                rows.append(target_profile(target, d, seq, device) | {"variant": "target profile (fp8)"})
+                rows.append(
+                    target_profile(target_of(chosen[0][1]), d, seq, device) | {"variant": "target profile (fp8)"}
+                )
                 print_target_profile(rows[-1])
 
     summary = write_report(args, rows, seqs, flops, t0)

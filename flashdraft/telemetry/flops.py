@@ -130,19 +130,28 @@ def describe(device: torch.device, peak: Peak | None) -> str | None:
 
 def step_flops(s, seq_tokens: int, labelled: int) -> float:
     """FLOPs of a training step of `s` (a `Setup`, or anything with its `.target` and `.drafter`), attention
-    excluded: 2 x params for the target forward up to the last captured layer over the sequence tokens, 6 x params
-    for the drafter's forward and backward (fc over the sequence tokens, the rest over the block positions),
-    4 x vocab x width for the LM-head loss (its forward and input gradient) over the labelled positions."""
+    excluded: 2 x params for the target forward over the sequence tokens (up to the last captured layer, or all of
+    them when the target's own distributions are read), 6 x params for the drafter's forward and backward (fc over
+    the sequence tokens, the rest over the block positions), 4 x vocab x width for the LM-head loss (its forward and
+    input gradient) over the labelled positions, and there 2 x vocab x width more for the target's distribution
+    where it is read. A Markov head's rank r costs 6 x vocab x r per labelled position (its bias, the bias's
+    gradients to the features and to W2); its embedding W1 is a lookup, not counted."""
     target_params = sum(
         p.numel() for n, p in s.target.model.named_parameters() if "embed" not in n and "lm_head" not in n
     )
     fc_params = s.drafter.fc.weight.numel()  # fc runs over the context tokens, every other weight over the blocks
-    drafter_params = sum(p.numel() for p in s.drafter.parameters()) - fc_params
+    markov = getattr(s.drafter, "markov_head", None)
+    markov_params = 0 if markov is None else sum(p.numel() for p in (markov.markov_w1.weight, markov.markov_w2.weight))
+    drafter_params = sum(p.numel() for p in s.drafter.parameters()) - fc_params - markov_params
     vocab, width = s.target.lm_head_weight.shape
-    blocks_tokens = labelled * s.drafter.block_size / max(1, s.drafter.block_size - 1)
+    drafts = getattr(s.drafter, "num_drafts", s.drafter.block_size - 1)
+    blocks_tokens = labelled * s.drafter.block_size / max(1, drafts)
+    teacher = 2 * vocab * width * labelled if getattr(s.target, "final_hidden", False) else 0
     return (
         2 * target_params * seq_tokens
         + 6 * drafter_params * blocks_tokens
         + 6 * fc_params * seq_tokens
         + 4 * vocab * width * labelled
+        + teacher
+        + (0 if markov is None else 6 * vocab * markov.rank * labelled)
     )

@@ -1,4 +1,5 @@
-"""bench/train_step.py on the CPU (--smoke): it runs both trainers, writes its JSON, and warns only about what it runs."""
+"""bench/train_step.py on the CPU (--smoke): it runs both trainers (and DSpark beside DFlash), writes its JSON, and
+warns only about what it runs."""
 
 import json
 import subprocess
@@ -12,7 +13,8 @@ def test_smoke_runs_both_trainers_and_writes_the_report(tmp_path):
     out = tmp_path / "step.json"
     # 32 anchors fit the smoke's 96 tokens: no variant's config may be read at another length and warn otherwise.
     run = subprocess.run(
-        [sys.executable, "-m", "bench.train_step", "--smoke", "--json", str(out), "recipe.num_anchors=32"],
+        [sys.executable, "-m", "bench.train_step", "--smoke", "--family", "dspark", "--json", str(out)]
+        + ["recipe.num_anchors=32"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -21,6 +23,7 @@ def test_smoke_runs_both_trainers_and_writes_the_report(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = [r for r in report["results"] if "step_s" in r]
-    assert sorted(r["variant"].split()[0].split("[")[0] for r in rows) == ["flashdraft", "naive"]
+    assert sorted(r["variant"].split("[")[0] for r in rows) == ["flashdraft", "flashdraft", "naive (torch target)"]
+    assert [r["variant"].endswith(" dspark") for r in rows if "drafter.family=dspark" in r.get("overrides", [])] == [True]
     assert all(r["seq"] == 96 and r["step_s"] > 0 for r in rows)
     assert "exceeds data.max_length" not in run.stdout + run.stderr

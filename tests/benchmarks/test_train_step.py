@@ -100,18 +100,20 @@ def test_cost_model_at_27b_scale():
     assert 85 < flops / seq / 1e9 < 91
 
 
-def test_step_flops_count_what_a_step_multiplies():
+@pytest.mark.parametrize("family", [[], ["drafter.family=dspark"]], ids=["dflash", "dspark"])
+def test_step_flops_count_what_a_step_multiplies(family):
     """One real training step on the CPU under torch's FlopCounterMode: its matrix multiplications (mm, addmm: the
-    target's forward, the drafter's forward and backward, the LM-head loss) are DESIGN.md's cost model, but for
-    attention (bmm / SDPA, excluded by definition) and two simplifications of the model, each ~0.3% at 27B scale:
-    fc's input gradient (counted, but the frozen features need none) and the drafter's K/V projections of the
-    context tokens (computed in every layer, not counted)."""
+    target's forward, the drafter's forward and backward, the LM-head loss; for DSpark the whole target, the
+    target's distributions and the Markov bias too) are DESIGN.md's cost model, but for attention (bmm / SDPA,
+    excluded by definition) and two simplifications of the model, each ~0.3% at 27B scale: fc's input gradient
+    (counted, but the frozen features need none) and the drafter's K/V projections of the context tokens (computed
+    in every layer, not counted)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from flashdraft.train import loop
     from flashdraft.train.optim import build_optimizer
 
-    overrides = ["data.max_length=32", "recipe.num_anchors=3", "train.batch_size=1", "train.grad_accum=1"]
+    overrides = ["data.max_length=32", "recipe.num_anchors=3", "train.batch_size=1", "train.grad_accum=1", *family]
     cfg = load_config(bundled.ASSETS / "train.yaml", overrides)
     target, tokenizer = bench.load_bench_target(cfg)
     s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=1)
@@ -121,7 +123,7 @@ def test_step_flops_count_what_a_step_multiplies():
     counted = counter.get_flop_counts()["Global"]
     matmul = sum(n for op, n in counted.items() if str(op) in ("aten.mm", "aten.addmm"))
     labelled = int(stats.valid.sum())
-    assert tokens == 32 and labelled == 3 * (s.drafter.block_size - 1)
+    assert tokens == 32 and labelled == 3 * s.drafter.num_drafts
     context_kv = sum(
         layer.self_attn.k_proj.weight.numel() + layer.self_attn.v_proj.weight.numel() for layer in s.drafter.layers
     )
