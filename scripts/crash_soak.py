@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 #: Short overrides of the bundled default: the CPU even where there is a GPU, a log line per step, a checkpoint every 2 steps (a kill between two
-#: checkpoints leaves metrics lines the resumed run must drop), a single short measured-tau prompt at the end.
+#: checkpoints leaves metrics lines the resumed run must drop), one short held-out prompt evaluated at step 0 and at the end.
 OVERRIDES = [
     "train.device=cpu",
     "log.every=1",
@@ -314,7 +314,8 @@ class Checker:
         duplicated = len(steps) - len(set(steps))
         s.records_lost += len(missing)
         s.records_duplicated += duplicated
-        if missing or duplicated or steps != list(range(1, len(steps) + 1)):
+        trained = steps[1:] if steps[:1] == [0] else steps  # step 0: the evaluation before the first step
+        if missing or duplicated or trained != list(range(1, len(trained) + 1)):
             s.failures.append(f"{where}: metrics.jsonl steps {_ranges(steps)}; the checkpoint is at step {upto}")
 
     def damage_newest(self, how: str, where: str) -> int | None:
@@ -583,7 +584,7 @@ def compare_final(ref_out: Path, out: Path, steps: int, summary: Summary, checke
     def values(records):
         return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
-    summary.curve_equal = values(ref) == values(got) and [r["step"] for r in got] == list(range(1, steps + 1))
+    summary.curve_equal = values(ref) == values(got) and [r["step"] for r in got] == list(range(steps + 1))
     if not summary.curve_equal:
         diff = next(
             (f"step {a.get('step')}: {a} != {b}" for a, b in zip(values(ref), values(got), strict=False) if a != b), ""

@@ -71,11 +71,7 @@ def _run(args, cfg, console) -> int:
         )
         # Not 0: a scheduler must not take a stopped run for a finished one (128 + signal, as the shell reports).
         return 128 + signal.Signals.__members__.get(result.stopped_by, signal.SIGTERM)
-    console.print(
-        f"\n[bold green]done[/]: {result.steps} steps, loss {result.loss:.3f}, simulated τ {result.sim_tau:.2f}"
-        + (f", measured τ {result.measured_tau:.2f} (greedy, held-out prompts)" if result.measured_tau else ""),
-        soft_wrap=True,
-    )
+    console.print(f"\n[bold green]done[/]: {result.summary()}", soft_wrap=True)
     console.print(
         f"checkpoint: {result.checkpoint}\nmetrics:    {result.out / 'metrics.jsonl'}"
         + (f"\ncurve:      {result.curve}" if result.curve else ""),

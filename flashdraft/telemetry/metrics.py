@@ -4,6 +4,7 @@
                             resume_from_step=start if resume else None, enabled=rank == 0)
     with metrics.progress():
         metrics.advance(start)                     # a resumed run jumps to its start step (no fake speed)
+        metrics.log(0, {"heldout_loss": 2.9, "heldout_sim_tau": 2.4, "tau": 3.1})     # an evaluation before step 1
         for step in range(start, total):
             ...
             metrics.advance()
@@ -16,9 +17,11 @@ numbers or lists, NaN/inf become null so every line is strict JSON), flushed and
 run starts the file empty; a resumed run (`resume_from_step=S`) first drops the lines after step S, so the file
 ends up equal to an uninterrupted run's.
 
-The console line knows these keys (all optional; None is skipped): loss, sim_tau, acc (per-position accuracy,
-acc@1 shown), tok_s, draft_tok_s, mfu (a fraction; None is shown as "MFU –", unknown), mem_gib, grad_norm, lr. Every
-key goes to the JSON line. The line is printed whole, never wrapped at the console's width, so a log file or a pipe
+The console line knows these keys (all optional; None is skipped): loss and sim_tau (of the training batches of
+the log window: shown as "batch loss", "batch sim_tau"), heldout_loss and heldout_sim_tau (of the held-out set, at
+an evaluation), tau (the measured τ of real decoding, at an evaluation), acc (per-position accuracy, acc@1 shown),
+tok_s, draft_tok_s, mfu (a fraction; None is shown as "MFU –", unknown), mem_gib, grad_norm, lr. Every key goes to
+the JSON line. The line is printed whole, never wrapped at the console's width, so a log file or a pipe
 holds one line per log step; the progress bar is drawn only on a terminal.
 
 Trackers (wandb, tensorboard, trackio) live in `trackers.py`; they receive the run config through `redact`. The
@@ -114,7 +117,7 @@ class MetricsLogger:
 
     @contextlib.contextmanager
     def progress(self) -> Iterator[MetricsLogger]:
-        """A progress bar over `total_steps` showing the latest loss, sim_tau and tok/s; move it with `advance`.
+        """A progress bar over `total_steps` showing the latest batch loss, sim_tau and tok/s; move it with `advance`.
         Only on a terminal: in a file or a pipe the log lines say it all, one per log step."""
         if not self.enabled or not self.console.is_terminal:
             yield self
@@ -171,38 +174,35 @@ class MetricsLogger:
 # ---- formatting -------------------------------------------------------------------------------------------------
 
 
+# The console line's fields, in order: key, and how its value is shown.
+_FIELDS = (
+    ("loss", lambda v: f"batch loss {v:.3f}"),
+    ("sim_tau", lambda v: f"batch sim_tau {v:.2f}"),
+    ("heldout_loss", lambda v: f"held-out loss {v:.3f}"),
+    ("heldout_sim_tau", lambda v: f"held-out sim_tau {v:.2f}"),
+    ("tau", lambda v: f"τ {v:.2f} (measured)"),
+    ("acc", lambda v: f"acc@1 {v[0]:.2f}" if isinstance(v, list | tuple) and v and v[0] is not None else None),
+    ("tok_s", lambda v: f"{_si(v)} tok/s"),
+    ("draft_tok_s", lambda v: f"{_si(v)} draft tok/s"),
+    ("mfu", lambda v: f"MFU {100 * v:.1f}%"),
+    ("mem_gib", lambda v: f"mem {v:.1f} GiB"),
+    ("grad_norm", lambda v: f"gnorm {v:.2f}"),
+    ("lr", lambda v: f"lr {_short_exp(v)}"),
+)
+
+
 def format_line(step: int, metrics: Mapping[str, Any], total_steps: int | None = None) -> str:
-    """'step 120/600 | loss 3.214 | sim_tau 1.83 | acc@1 0.41 | 12.3K tok/s | ... | lr 5.8e-4' (known keys only)."""
+    """'step 120/600 | batch loss 3.214 | batch sim_tau 1.83 | acc@1 0.41 | 12.3K tok/s | ... | lr 5.8e-4', with
+    'held-out loss 2.905 | held-out sim_tau 2.41 | τ 3.10 (measured)' after the step of an evaluation (known keys
+    only; a None value is left out, but for mfu: "MFU –", a GPU whose peak rate is unknown)."""
     parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
-
-    def get(key):
+    for key, show in _FIELDS:
         value = metrics.get(key)
-        return None if value is None or isinstance(value, bool) else value
-
-    if (loss := get("loss")) is not None:
-        parts.append(f"loss {loss:.3f}")
-    if (tau := get("sim_tau")) is not None:
-        parts.append(f"sim_tau {tau:.2f}")
-    if (real := get("tau")) is not None:
-        parts.append(f"τ {real:.2f} (measured)")
-    acc = get("acc")
-    if isinstance(acc, list | tuple) and acc and acc[0] is not None:
-        parts.append(f"acc@1 {acc[0]:.2f}")
-    if (tok_s := get("tok_s")) is not None:
-        parts.append(f"{_si(tok_s)} tok/s")
-    if (draft := get("draft_tok_s")) is not None:
-        parts.append(f"{_si(draft)} draft tok/s")
-    if (mfu := get("mfu")) is not None:
-        parts.append(f"MFU {100 * mfu:.1f}%")
-    elif "mfu" in metrics:
-        parts.append("MFU –")  # a GPU whose peak rate is unknown
-    if (mem := get("mem_gib")) is not None:
-        parts.append(f"mem {mem:.1f} GiB")
-    if (gnorm := get("grad_norm")) is not None:
-        parts.append(f"gnorm {gnorm:.2f}")
-    if (lr := get("lr")) is not None:
-        parts.append(f"lr {_short_exp(lr)}")
-    return " | ".join(parts)
+        if value is not None and not isinstance(value, bool):
+            parts.append(show(value))
+        elif key == "mfu" and key in metrics:
+            parts.append("MFU –")
+    return " | ".join(p for p in parts if p is not None)
 
 
 def _si(value: float) -> str:
@@ -222,9 +222,9 @@ def _short_exp(value: float) -> str:
 def _bar_stats(values: Mapping[str, Any]) -> str:
     parts = []
     if values.get("loss") is not None:
-        parts.append(f"loss {values['loss']:.3f}")
+        parts.append(f"batch loss {values['loss']:.3f}")
     if values.get("sim_tau") is not None:
-        parts.append(f"sim_tau {values['sim_tau']:.2f}")
+        parts.append(f"batch sim_tau {values['sim_tau']:.2f}")
     if values.get("tok_s") is not None:
         parts.append(f"{_si(values['tok_s'])} tok/s")
     return " · ".join(parts)
@@ -289,6 +289,34 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
         if isinstance(record, dict) and isinstance(record.get("step"), int):
             records.append(record)
     return records
+
+
+def before_after(records: list[dict]) -> dict | None:
+    """The first and the last evaluation of a run (the rows with a held-out loss or a measured τ): {"steps",
+    "prompts", "heldout_loss", "heldout_sim_tau", "tau"}, each a [first, last] pair (None where the row lacks it);
+    None without evaluations."""
+    rows = [r for r in records if r.get("heldout_loss") is not None or r.get("tau") is not None]
+    if not rows:
+        return None
+    first, last = rows[0], rows[-1]
+    keys = ("heldout_loss", "heldout_sim_tau", "tau")
+    return {"steps": [first["step"], last["step"]], "prompts": last.get("heldout_prompts")} | {
+        key: [first.get(key), last.get(key)] for key in keys
+    }
+
+
+def describe_before_after(change: dict) -> str:
+    """'held-out loss 2.905 → 2.401, measured τ 3.10 → 3.62 on 8 prompts (step 0 → 190)': a `before_after`; one
+    value each when the run was evaluated once."""
+
+    def pair(name: str, values: list, digits: int) -> str | None:
+        shown = [f"{v:.{digits}f}" for v in (values if change["steps"][0] != change["steps"][1] else values[:1])]
+        return None if None in values else f"{name} {' → '.join(shown)}"
+
+    parts = [pair("held-out loss", change["heldout_loss"], 3), pair("measured τ", change["tau"], 2)]
+    steps = " → ".join(str(s) for s in dict.fromkeys(change["steps"]))
+    prompts = f" on {change['prompts']} prompts" if change["prompts"] else ""
+    return f"{', '.join(p for p in parts if p)}{prompts} (step {steps})"
 
 
 def _prepare_jsonl(path: Path, resume_from_step: int | None) -> None:

@@ -5,9 +5,9 @@
   data loader.
 - dataloader.py: the stateful data loader: data order, collation, anchors and blocks, static-shape padding, and
   its place (saved in every checkpoint).
-- forward.py: one micro-batch through the target, the drafter and the loss.
+- forward.py: one micro-batch through the target, the drafter and the loss (what a step and an evaluation share).
 - blocks.py, masks.py: the drafter's packed blocks and who sees what; loss/: the objective.
-- evaluation.py: the measured τ of decoding held-out prompts, every log.eval_every and at the end.
+- evaluation.py: the held-out set and the measured τ, scored at step 0, every log.eval_every and at the end.
 - optim.py: AdamW and the schedule; compile.py: whether the drafter's layers are compiled.
 - resume.py: where `--resume` starts; checkpoint/: the resumable checkpoints (package: manager, save, load).
 - report.py: the metrics row of a log line, the time to the first step, the run's result.

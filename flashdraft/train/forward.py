@@ -1,5 +1,5 @@
-"""One micro-batch through the frozen target, the drafter and the loss: the forward pass a training step runs on
-every micro-batch (loop.train_step).
+"""One micro-batch through the frozen target, the drafter and the loss: the forward pass that a training step runs
+on every micro-batch (loop.train_step) and the held-out evaluation runs on its rows (evaluation.py).
 
     drafting = Drafting.of(cfg, s)                                     # the run's target, drafter and objective
     denominator = drafting.normaliser(batch)                           # Σ w (or the labelled blocks) of a step
@@ -8,7 +8,7 @@ every micro-batch (loop.train_step).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -56,6 +56,11 @@ class Drafting:
             s.features,
             DSparkWeights(**asdict(cfg.recipe.dspark)) if cfg.drafter.family == "dspark" else None,
         )
+
+    def eager(self, target, drafter: torch.nn.Module) -> Drafting:
+        """The same with another target and drafter, run eagerly (SDPA with a dense mask, the loss not compiled),
+        no feature store: what an evaluation runs, its shapes unlike any step's."""
+        return replace(self, target=target, drafter=drafter, attention="sdpa", compile_loss=False, features=None)
 
     def normaliser(self, batch: list[MicroBatch]) -> torch.Tensor:
         """This rank's share of the loss's denominator over `batch` (sum it over the ranks for a global step)."""

@@ -4,9 +4,9 @@
     flashdraft train --config examples/tiny.yaml --out runs/tiny train.max_steps=50
     flashdraft train --config examples/qwen3.5-27b.yaml --resume
 
-`train` reads top to bottom: build the run (setup.py), resume (resume.py), then one `train_step` per step, a log
-line (report.py) every log.every steps, the measured τ every log.eval_every (evaluation.py), a checkpoint every
-log.checkpoint_every and at the end, and the measured τ of the trained drafter. Everything a step reads is
+`train` reads top to bottom: build the run (setup.py), resume (resume.py), evaluate the drafter as it starts
+(evaluation.py), then one `train_step` per step, a log line (report.py) every log.every steps, an evaluation every
+log.eval_every and at the end, a checkpoint every log.checkpoint_every and at the end. Everything a step reads is
 a function of the step number (dataloader.py), so a resumed run repeats an uninterrupted one exactly. Many
 processes (torchrun): flashdraft.distributed; the loop is the same with one process or many.
 """
@@ -26,7 +26,7 @@ from flashdraft.distributed import data_parallel
 from flashdraft.distributed.ranks import world
 from flashdraft.distributed.stop import GracefulStop
 from flashdraft.io.atomic import atomic_write_text
-from flashdraft.telemetry.metrics import MetricsLogger
+from flashdraft.telemetry.metrics import MetricsLogger, before_after, read_metrics
 from flashdraft.telemetry.plot import draw_training_curve
 from flashdraft.telemetry.timer import Timer, synchronize
 from flashdraft.telemetry.trackers import check_trackers
@@ -70,6 +70,8 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
     evaluator, window, skipped, stopped_by = Evaluator(cfg, s, out), LogWindow(cfg.log.every), 0, None
     with metrics.progress(), GracefulStop() as stop:
         metrics.advance(start)
+        if start == 0:  # the drafter as the run found it: the "before" of every evaluation after
+            _log(metrics, 0, {}, evaluator, timer)
         # The steps are not timed one by one (a sync per step): they are the loop's time less the phases inside it.
         loop_started, timed_before = timer.since_start(), sum(timer.seconds.values())
         timer.lap()
@@ -87,7 +89,7 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
             halt = stop.requested(s.device)  # a stop logs and checkpoints the steps since the last ones too
             if done % cfg.log.every == 0 or done == s.total_steps or halt:
                 row = window.row(timer.lap(), s, scheduler.get_last_lr()[0]) | {"skipped": skipped}
-                due = not halt and done < s.total_steps and cfg.log.eval_every and done % cfg.log.eval_every == 0
+                due = not halt and (done == s.total_steps or cfg.log.eval_every and done % cfg.log.eval_every == 0)
                 _log(metrics, done, row, evaluator if due else None, timer)
             if done % cfg.log.checkpoint_every == 0 or done == s.total_steps or halt:
                 with timer.phase("checkpoints"):
@@ -102,13 +104,9 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
     metrics.close()
     synchronize()
     timer.add("steps", timer.since_start() - loop_started - (sum(timer.seconds.values()) - timed_before))
-    measured = None
-    if stopped_by is None:  # a stopped job should leave within its grace period: no final measurement
-        with timer.phase("measured τ"):
-            measured = evaluator.evaluate(final=True)
-    curve = _curve(out, timer, measured)
+    curve, change = _curve_and_change(out, timer)
     report_wall_time(timer, out)
-    return result(out, done, metrics.latest, measured, last_ckpt, curve, stopped_by)
+    return result(out, done, metrics.latest, last_ckpt, curve, stopped_by, change)
 
 
 def train_step(s: Setup, cfg: RunConfig, optimizer, batch: list[MicroBatch], mark=no_mark):
@@ -145,21 +143,24 @@ def _write_config(out: Path, cfg: RunConfig) -> None:
 
 
 def _log(metrics: MetricsLogger, step: int, row: dict, evaluator: Evaluator | None, timer: Timer) -> None:
-    """Log `row` of `step`, with the measured τ when `evaluator` is given (collective: every rank calls it).
-    Decoding is not training: the next log window's speed is counted from its end."""
+    """Log `row` of `step`, with the scores of an evaluation when `evaluator` is given (collective: every rank
+    calls it). Evaluating is not training: the next log window's speed is counted from its end."""
     if evaluator is not None and evaluator.enabled:
-        with timer.phase("measured τ"):
-            row = row | {"tau": evaluator.evaluate()}
+        with timer.phase("evaluation"):
+            row = row | (evaluator.evaluate() or {})
         timer.lap()
-    metrics.log(step, row)
+    if row:
+        metrics.log(step, row)
 
 
-def _curve(out: Path, timer: Timer, measured: float | None) -> Path | None:
-    """Rank 0: the training curve from metrics.jsonl, with the final measured τ; None on the other ranks."""
+def _curve_and_change(out: Path, timer: Timer) -> tuple[Path | None, dict | None]:
+    """Rank 0: the training curve and the run's first and last evaluation, from metrics.jsonl; None, None on the
+    other ranks."""
     if not world().is_main:
-        return None
+        return None, None
     with timer.phase("plot"):
-        return draw_training_curve(out / "metrics.jsonl", out / "training_curve.png", final_tau=measured)
+        curve = draw_training_curve(out / "metrics.jsonl", out / "training_curve.png")
+    return curve, before_after(read_metrics(out / "metrics.jsonl"))
 
 
 def _check_finite(finite: bool, step: int, cfg: RunConfig, skipped: int, last_ckpt) -> int:

@@ -20,6 +20,7 @@ import torch
 
 from flashdraft.distributed.ranks import world
 from flashdraft.telemetry.flops import step_flops
+from flashdraft.telemetry.metrics import describe_before_after
 from flashdraft.telemetry.timer import Timer
 
 logger = logging.getLogger(__name__)
@@ -31,10 +32,17 @@ class TrainResult:
     steps: int
     loss: float  # the training batches' loss over the last log window
     sim_tau: float  # their simulated τ
-    measured_tau: float | None  # the final measurement (None: no held-out prompts, or the run was stopped)
+    measured_tau: float | None  # the final evaluation's (None: no held-out prompts, or the run was stopped)
     checkpoint: Path | None
     curve: Path | None
     stopped_by: str | None = None  # the signal that ended the run early (SIGTERM, SIGINT), if one did
+    change: dict | None = None  # the first and last evaluation: `telemetry.metrics.before_after`
+
+    def summary(self) -> str:
+        """'190 steps, batch loss 3.137, batch simulated τ 2.16 (the last log window)', then, for a run with
+        held-out prompts, 'held-out loss 2.905 → 2.401, measured τ 3.10 → 3.62 on 8 prompts (step 0 → 190)'."""
+        line = f"{self.steps} steps, batch loss {self.loss:.3f}, batch simulated τ {self.sim_tau:.2f} (the last log window)"
+        return line + (f"\n{describe_before_after(self.change)}" if self.change else "")
 
 
 class LogWindow:
@@ -81,12 +89,15 @@ def summarize(stats, timing: tuple[int, int, float], s, lr: float) -> dict:
 
 
 def log_first_step(timer: Timer) -> None:
-    """Once per run: how long until the first step was done, and how much of it was the step itself (on a GPU, its
-    compiles and Triton autotuning) rather than loading the target, the data and the drafter."""
+    """Once per run: how long until the first step was done, what came before it (loading the target, the data and
+    the drafter; the evaluation at step 0) and how long the step itself took (on a GPU, its compiles and Triton
+    autotuning)."""
     step = timer.seconds["first step"]
     total = timer.since_start()
     parts = ", ".join(f"{name} {sec:.1f}" for name, sec in timer.seconds.items() if name != "first step")
-    logger.info("first step after %.1f s (setup %.1f s: %s; the step itself %.1f s)", total, total - step, parts, step)
+    logger.info(
+        "first step after %.1f s (before it %.1f s: %s; the step itself %.1f s)", total, total - step, parts, step
+    )
 
 
 def report_wall_time(timer: Timer, out: Path) -> None:
@@ -96,9 +107,17 @@ def report_wall_time(timer: Timer, out: Path) -> None:
         timer.write(out / "wall_time.json")
 
 
-def result(out: Path, steps: int, last: dict, measured: float | None, checkpoint, curve, stopped_by) -> TrainResult:
+def result(out: Path, steps: int, last: dict, checkpoint, curve, stopped_by, change) -> TrainResult:
     """The run's TrainResult from its last metrics row `last` (rank 0's; empty on the other ranks)."""
     nan = math.nan
     return TrainResult(
-        out, steps, last.get("loss", nan), last.get("sim_tau", nan), measured, checkpoint, curve, stopped_by
+        out,
+        steps,
+        last.get("loss", nan),
+        last.get("sim_tau", nan),
+        last.get("tau"),
+        checkpoint,
+        curve,
+        stopped_by,
+        change,
     )

@@ -24,6 +24,8 @@ def test_smoke_runs_both_trainers_and_writes_the_report(tmp_path):
     report = json.loads(out.read_text())
     rows = [r for r in report["results"] if "step_s" in r]
     assert sorted(r["variant"].split("[")[0] for r in rows) == ["flashdraft", "flashdraft", "naive (torch target)"]
-    assert [r["variant"].endswith(" dspark") for r in rows if "drafter.family=dspark" in r.get("overrides", [])] == [True]
+    assert [r["variant"].endswith(" dspark") for r in rows if "drafter.family=dspark" in r.get("overrides", [])] == [
+        True
+    ]
     assert all(r["seq"] == 96 and r["step_s"] > 0 for r in rows)
     assert "exceeds data.max_length" not in run.stdout + run.stderr

@@ -9,7 +9,7 @@ import pytest
 from flashdraft import bundled, cli
 from flashdraft.config import load_config, to_dict
 
-# Three short steps of one sequence each, a log line per step, one short measured-τ prompt at the end.
+# Three short steps of one sequence each, a log line per step, one short held-out prompt evaluated before and after.
 QUICK = ["train.max_steps=3", "train.batch_size=1", "log.every=1", "data.eval_limit=1", "data.eval_max_new_tokens=4"]
 FLA_CPU_WARNING = "Triton is not supported on current platform"
 
@@ -42,14 +42,16 @@ def test_a_run_without_matplotlib_succeeds_and_says_so_in_one_line(piped_run_wit
 
 def test_piped_output_is_one_unwrapped_line_per_log_step_without_bars(piped_run_without_matplotlib):
     run, out = piped_run_without_matplotlib
-    steps = [line for line in run.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split(" | ")[0] for line in steps] == ["step 1/3", "step 2/3", "step 3/3"]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in lines] == ["step 0/3", "step 1/3", "step 2/3", "step 3/3"]
+    assert " | held-out loss " in lines[0]  # the evaluation before the first step
+    steps = lines[1:]
     assert all(" | lr " in line for line in steps)  # the last field: the line is whole
     assert all(len(line) > 80 for line in steps)  # rich would have wrapped them at 80 columns
     # No progress bar of training or of data preparation, in either stream; every line is whole.
     assert "━" not in run.stdout + run.stderr and "\r" not in run.stdout + run.stderr
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in logged] == [1, 2, 3]
+    assert [r["step"] for r in logged] == [0, 1, 2, 3]
 
 
 def test_a_cpu_run_shows_no_warning_of_fla(piped_run_without_matplotlib):

@@ -144,7 +144,8 @@ def test_one_process_checkpoint_resumes_on_two(one_proc, tmp_path):
 
 
 def test_periodic_tau_with_a_sharded_drafter_neither_hangs_nor_changes_the_losses(one_proc, tmp_path):
-    """Every rank gathers the FSDP2 drafter, rank 0 decodes while the others wait in the next step's collective."""
+    """Every rank gathers the FSDP2 drafter, rank 0 evaluates it (decodes, scores the held-out set) while the others
+    wait in the next step's collective."""
     out = tmp_path / "run"
     run = torchrun(
         [
@@ -163,7 +164,8 @@ def test_periodic_tau_with_a_sharded_drafter_neither_hangs_nor_changes_the_losse
     rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     # The gathered drafter is the fine-tuned shipped one, whose drafts are accepted; a shard, or weights not
     # gathered, would accept nothing (tau 1).
-    assert [step for step, r in rows.items() if "tau" in r] == [2] and rows[2]["tau"] > 1.3
+    assert [step for step, r in rows.items() if "tau" in r] == [0, 2, 4] and rows[2]["tau"] > 1.3
+    assert all(rows[step]["heldout_loss"] > 0 for step in (0, 2, 4))
     one = _losses(one_proc)
     assert _losses(out) == pytest.approx(one, rel=RTOL)
 

@@ -1,4 +1,5 @@
-"""What a training-curve PNG shows, read back from its pixels (the plot extra's matplotlib decodes it)."""
+"""What a training-curve PNG shows, read back from its pixels (the plot extra's matplotlib decodes it) and from
+the text it carries."""
 
 import torch
 
@@ -23,3 +24,12 @@ def height_trend(mask):
     third = mask.shape[1] // 3
     mean_row = lambda m, r: float(r[m].mean())  # noqa: E731
     return mean_row(mask[:, :third], rows[:, :third]), mean_row(mask[:, -third:], rows[:, -third:])
+
+
+def shown(png) -> dict[str, str]:
+    """The text a training-curve PNG carries (its title, the plotted series, the before and after), read with PIL."""
+    from PIL import Image
+
+    with Image.open(png) as image:
+        image.load()
+        return dict(image.text)

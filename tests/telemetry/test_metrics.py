@@ -1,11 +1,12 @@
-"""MetricsLogger: metrics.jsonl, the console line, the progress bar, resume truncation."""
+"""MetricsLogger: metrics.jsonl, the console line, the progress bar, resume truncation; the before and after of a
+run's evaluations."""
 
 import logging
 
 import pytest
 import torch
 
-from flashdraft.telemetry.metrics import MetricsLogger, format_line, read_metrics
+from flashdraft.telemetry.metrics import MetricsLogger, before_after, describe_before_after, format_line, read_metrics
 from tests.telemetry.logged import console, lines, row
 
 LOGGER = "flashdraft.telemetry.metrics"
@@ -23,8 +24,8 @@ def test_jsonl_lines_are_written_and_flushed_at_once(tmp_path):
     metrics.close()
     metrics.close()
     out = metrics.console.file.getvalue()
-    assert "step 10/30 | loss 3.250 | sim_tau 1.50 | acc@1 0.50 | lr 6.0e-4" in out
-    assert "step 20/30 | loss nan | sim_tau 1.60" in out
+    assert "step 10/30 | batch loss 3.250 | batch sim_tau 1.50 | acc@1 0.50 | lr 6.0e-4" in out
+    assert "step 20/30 | batch loss nan | batch sim_tau 1.60" in out
 
 
 def test_unserialisable_metric_names_its_key(tmp_path):
@@ -46,11 +47,16 @@ def test_format_line():
         "block_tau": 2.0,
     }
     assert format_line(120, metrics, total_steps=600) == (
-        "step 120/600 | loss 3.214 | sim_tau 1.83 | acc@1 0.41 | 12.3K tok/s | 45.2K draft tok/s | MFU 31.2% | "
-        "mem 12.1 GiB | lr 5.8e-4"
+        "step 120/600 | batch loss 3.214 | batch sim_tau 1.83 | acc@1 0.41 | 12.3K tok/s | 45.2K draft tok/s | "
+        "MFU 31.2% | mem 12.1 GiB | lr 5.8e-4"
     )
     assert format_line(7, {"loss": 2.0, "mem_gib": None, "tok_s": 950.0, "grad_norm": 0.5}) == (
-        "step 7 | loss 2.000 | 950 tok/s | gnorm 0.50"
+        "step 7 | batch loss 2.000 | 950 tok/s | gnorm 0.50"
+    )
+    # An evaluation's scores, alone at step 0 or after a step's own values.
+    scores = {"heldout_loss": 2.9051, "heldout_sim_tau": 2.412, "tau": 3.1, "heldout_prompts": 8}
+    assert format_line(0, scores, total_steps=600) == (
+        "step 0/600 | held-out loss 2.905 | held-out sim_tau 2.41 | τ 3.10 (measured)"
     )
     assert format_line(1, {"tok_s": 2.5e6, "lr": 0.0}) == "step 1 | 2.5M tok/s | lr 0.0e0"
     # A GPU of unknown peak: MFU shown as unknown, not left out (and never made up).
@@ -128,6 +134,29 @@ def test_progress_bar_tracks_steps_and_latest_values(tmp_path):
             metrics.log(step, row(step))
         task = metrics._progress.tasks[0]
         assert task.completed == 6 and task.total == 10
-        assert task.fields["stats"] == "loss 4.940 · sim_tau 1.03 · 12.3K tok/s"
+        assert task.fields["stats"] == "batch loss 4.940 · batch sim_tau 1.03 · 12.3K tok/s"
     metrics.advance()  # outside the bar: ignored
     metrics.close()
+
+
+def test_before_and_after_are_the_first_and_last_evaluation():
+    records = [
+        {"step": 0, "heldout_loss": 2.9051, "heldout_sim_tau": 2.31, "tau": 3.1, "heldout_prompts": 8},
+        {"step": 10, "loss": 3.0, "sim_tau": 2.0},
+        {"step": 20, "loss": 2.8, "heldout_loss": 2.6, "heldout_sim_tau": 2.4, "tau": 3.3, "heldout_prompts": 8},
+        {"step": 30, "loss": 2.7, "heldout_loss": 2.4012, "heldout_sim_tau": 2.52, "tau": 3.621, "heldout_prompts": 8},
+    ]
+    change = before_after(records)
+    assert change == {
+        "steps": [0, 30],
+        "prompts": 8,
+        "heldout_loss": [2.9051, 2.4012],
+        "heldout_sim_tau": [2.31, 2.52],
+        "tau": [3.1, 3.621],
+    }
+    assert describe_before_after(change) == (
+        "held-out loss 2.905 → 2.401, measured τ 3.10 → 3.62 on 8 prompts (step 0 → 30)"
+    )
+    once = before_after(records[:2])  # a run stopped before its next evaluation
+    assert describe_before_after(once) == "held-out loss 2.905, measured τ 3.10 on 8 prompts (step 0)"
+    assert before_after(records[1:2]) is None  # no held-out prompts: nothing to compare

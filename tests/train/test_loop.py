@@ -17,9 +17,10 @@ from safetensors.torch import load_file
 from flashdraft import bundled
 from flashdraft.config import load_config, to_dict
 from flashdraft.target import load_causal_lm
+from flashdraft.telemetry.metrics import describe_before_after
 from flashdraft.train import forward, loop
 from flashdraft.train.dataloader import DataLoader
-from tests.telemetry.drawn import curve_pixels
+from tests.telemetry.drawn import curve_pixels, shown
 
 PLOT = importlib.util.find_spec("matplotlib") is not None  # the plot extra; without it no curve, and a notice
 # Decoding with the shipped drafter on the bundled target: a step's simulated tau was 1.48-3.75 and the measured tau
@@ -45,6 +46,12 @@ def _records(out):
 def _losses(out):
     """The training batches' loss of each logged step."""
     return {r["step"]: r["loss"] for r in _records(out) if "loss" in r}
+
+
+def _scores(out):
+    """The evaluations' scores of each evaluated step."""
+    keys = ("heldout_loss", "heldout_sim_tau", "tau", "heldout_prompts")
+    return {r["step"]: {k: r[k] for k in keys} for r in _records(out) if "heldout_loss" in r}
 
 
 def _batch(cfg, s, data, step=0):
@@ -77,8 +84,9 @@ def full_run(tmp_path_factory):
 def test_outputs_of_a_run(full_run):
     out, result = full_run
     assert result.steps == 6 and result.checkpoint.name == "step_00000006"
-    rows = _records(out)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    records = _records(out)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5, 6]  # step 0: the evaluation before training
+    rows = records[1:]
     for r in rows:
         assert {"loss", "sim_tau", "acc", "tok_s", "draft_tok_s", "lr"} <= set(r)
         # The shipped drafter accepts more than one token per block on its own data (a random one: about 1.0).
@@ -86,6 +94,10 @@ def test_outputs_of_a_run(full_run):
     if PLOT:
         loss, tau = curve_pixels(out / "training_curve.png")
         assert loss.sum() > 20 and tau.sum() > 20
+        # What the curve says it shows is the run's own before and after (the PNG's text, read with PIL).
+        text = shown(out / "training_curve.png")
+        assert json.loads(text["flashdraft:before_after"]) == result.change
+        assert text["Title"] == describe_before_after(result.change)
     else:
         assert result.curve is None and not (out / "training_curve.png").exists()
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000003", "step_00000006"]
@@ -95,6 +107,20 @@ def test_outputs_of_a_run(full_run):
     assert state == {"step": 3, "data": {"step": 3, "seed": 0, "sequences_per_step": 4, "samples": 763}}
     assert result.measured_tau is not None and result.measured_tau > TAU_FLOOR
     assert json.loads((out / "measured_tau.json").read_text())["tau"] == result.measured_tau
+    # Evaluated before the first step and after the last, on the one held-out prompt; the result compares the two.
+    scores = _scores(out)
+    assert list(scores) == [0, 6] and scores[6]["tau"] == result.measured_tau
+    assert all(
+        s["heldout_prompts"] == 1 and s["heldout_loss"] > 0 and s["heldout_sim_tau"] > 1 for s in scores.values()
+    )
+    assert result.change == {
+        "steps": [0, 6],
+        "prompts": 1,
+        **{k: [scores[0][k], scores[6][k]] for k in ("heldout_loss", "heldout_sim_tau", "tau")},
+    }
+    assert "held-out loss" in result.summary() and "on 1 prompts (step 0 → 6)" in result.summary()
+    heldout = json.loads((out / "heldout.json").read_text())
+    assert [len(c) for c in heldout["continuations"]] == [8]  # data.eval_max_new_tokens of the target's greedy text
     # The bundled default fine-tunes the shipped drafter, trained for the shipped target: its first loss is far
     # below even a uniform guess's log(vocab) (the next test: a fresh drafter's is far above it).
     log_vocab = torch.log(torch.tensor(1088.0)).item()
@@ -119,6 +145,7 @@ def test_resume_repeats_an_uninterrupted_run_exactly(full_run, tmp_path):
     shutil.rmtree(resumed / "checkpoints" / "step_00000006")  # as if killed after the step-3 checkpoint
     loop.train(_cfg(resumed), resume=True)
     assert _losses(resumed) == _losses(full)  # steps 1-3 kept from before, 4-6 recomputed: bit-identical
+    assert _scores(resumed) == _scores(full)  # step 0 kept, the end's on the same held-out rows
     a = load_file(full / "checkpoints" / "step_00000006" / "drafter" / "model.safetensors")
     b = load_file(resumed / "checkpoints" / "step_00000006" / "drafter" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -128,10 +155,11 @@ def test_periodic_real_tau_is_logged_and_leaves_training_unchanged(full_run, tmp
     full, _ = full_run
     out = tmp_path / "periodic"
     loop.train(_cfg(out, "log.eval_every=3"))
-    rows = _records(out)
-    assert [r["step"] for r in rows if "tau" in r] == [3]  # the last step's τ is the final measurement
-    assert rows[2]["tau"] > TAU_FLOOR
-    assert _losses(out) == _losses(full)  # decoding in between draws no training randomness
+    scores = _scores(out)
+    assert list(scores) == [0, 3, 6]  # before the first step, every 3 steps, and at the end
+    assert scores[3]["tau"] > TAU_FLOOR
+    assert _losses(out) == _losses(full)  # evaluating in between draws no training randomness
+    assert scores[0] == _scores(full)[0] and scores[6] == _scores(full)[6]
 
 
 def test_eval_every_must_be_a_multiple_of_log_every(tmp_path):
@@ -219,15 +247,18 @@ def test_cli_runs_the_bundled_default_and_reports(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "simulated τ" in out.stdout and "measured τ" in out.stdout
+    # Before and after, side by side: the held-out loss and the measured τ of step 0 and of the last step.
+    (change,) = [line for line in out.stdout.splitlines() if line.startswith("held-out loss ")]
+    assert " → " in change and "measured τ" in change and "on 1 prompts (step 0 → 6)" in change, change
     assert ("training_curve.png" in out.stdout) == PLOT
     # Time to the first step, once: since the command's start, split into setup (by phase) and the step itself.
     first = [line for line in out.stderr.splitlines() if line.startswith("first step after ")]
     assert len(first) == 1 and "the step itself" in first[0], out.stderr[-2000:]
-    assert all(f"{phase} " in first[0] for phase in ("target", "fast-path probe", "data", "drafter")), first[0]
+    assert all(f"{phase} " in first[0] for phase in ("target", "fast-path probe", "data", "drafter", "evaluation"))
     # Where the whole run went: one closing line, and the same in wall_time.json, every phase a run has.
     assert sum(line.startswith("wall time ") for line in out.stderr.splitlines()) == 1, out.stderr[-2000:]
     wall = json.loads((tmp_path / "cli" / "wall_time.json").read_text())
-    phases = ["target", "fast-path probe", "data", "drafter", "first step", "checkpoints", "steps", "measured τ"]
+    phases = ["target", "fast-path probe", "data", "drafter", "evaluation", "first step", "checkpoints", "steps"]
     assert list(wall["phases_s"]) == [*phases, "plot"]  # drawn, or a notice without matplotlib
     assert all(s >= 0 for s in wall["phases_s"].values()) and wall["other_s"] >= 0
     assert wall["total_s"] == pytest.approx(sum(wall["phases_s"].values()) + wall["other_s"], abs=0.01)

@@ -1,5 +1,8 @@
-"""What the loop reports: the metrics row of a log line (MFU against the device's peak, means over the window)."""
+"""What the loop reports: the metrics row of a log line (MFU against the device's peak, means over the window) and
+the run's result."""
 
+import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -47,3 +50,22 @@ def test_the_log_window_is_the_last_steps_and_its_speed_the_steps_since_the_last
     assert row["loss"] == 2.0 and len(window.stats) == 2
     window.add(_window_stats(), 10)
     assert window.row(1.0, s, lr=1e-4)["tok_s"] == 10.0  # counted anew; loss over the last 2 steps still
+
+
+def test_the_result_says_what_changed():
+    change = {
+        "steps": [0, 6],
+        "prompts": 1,
+        "heldout_loss": [2.9, 2.5],
+        "heldout_sim_tau": [2.1, 2.3],
+        "tau": [3.0, 3.2],
+    }
+    last = {"loss": 3.137, "sim_tau": 2.164, "tau": 3.2}
+    result = report.result(Path("out"), 6, last, None, None, None, change)
+    assert result.measured_tau == 3.2 and result.loss == 3.137
+    assert result.summary() == (
+        "6 steps, batch loss 3.137, batch simulated τ 2.16 (the last log window)\n"
+        "held-out loss 2.900 → 2.500, measured τ 3.00 → 3.20 on 1 prompts (step 0 → 6)"
+    )
+    stopped = report.result(Path("out"), 2, {}, None, None, "SIGTERM", None)  # another rank: no row
+    assert math.isnan(stopped.loss) and stopped.measured_tau is None and "held-out" not in stopped.summary()
