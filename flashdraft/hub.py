@@ -91,7 +91,7 @@ def check_checkpoint(directory: Path, what: str = "target") -> None:
     if pickled:
         raise ValueError(
             f"{what} {directory} holds only pickle weights ({', '.join(pickled)}); flashdraft loads safetensors "
-            "only, because unpickling can run arbitrary code. In an environment you trust, convert with "
-            "`AutoModelForCausalLM.from_pretrained(p).save_pretrained(p)` (writes model.safetensors)"
+            "only, because unpickling can run arbitrary code. In an environment you trust, convert with: "
+            "safetensors.torch.save_file(torch.load(p, weights_only=True), 'model.safetensors')"
         )
     raise FileNotFoundError(f"{what} directory {directory} has no *.safetensors weights")

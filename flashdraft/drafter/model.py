@@ -56,7 +56,8 @@ logger = logging.getLogger(__name__)
 
 # Keyword arguments the reference forward accepts and that change nothing here; anything else is a caller's bug.
 _INERT_KWARGS = frozenset({"cache_position", "output_attentions", "output_hidden_states", "return_dict"})
-_PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
+# What a serving layout carries beside the drafter (DeepSpec's: copies of the target's embedding and LM head).
+_SERVING_COPIES = ("embed_tokens.weight", "lm_head.weight")
 
 
 def select_context_features(hidden_states: Sequence[torch.Tensor], target_layer_ids: Sequence[int]) -> torch.Tensor:
@@ -339,7 +340,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         A hub id is read from the hub cache; it is downloaded only when `local_files_only=False` or HF_HUB_OFFLINE=0
         (see `flashdraft.hub.resolve_local_files_only`). Errors name the directory or its config.json.
         """
-        from flashdraft.hub import resolve_model_dir
+        from flashdraft.hub import check_checkpoint, resolve_model_dir
 
         if kwargs.get("use_safetensors") is False:
             raise ValueError("DFlashDraftModel loads safetensors only; use_safetensors=False is not supported")
@@ -349,37 +350,37 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             local_files_only=kwargs.pop("local_files_only", None),
             revision=kwargs.pop("revision", None),
         )
-        if not any(path.glob("*.safetensors")):
-            pickled = [name for name in _PICKLE_WEIGHTS if (path / name).exists()]
-            if pickled:
-                raise ValueError(
-                    f"{path} holds only pickle weights ({', '.join(pickled)}); flashdraft loads safetensors only, "
-                    "because unpickling can run arbitrary code. In an environment you trust, convert with: "
-                    "safetensors.torch.save_file(torch.load(p, weights_only=True), 'model.safetensors')"
-                )
-            raise FileNotFoundError(f"drafter directory {path} has no *.safetensors weights")
+        check_checkpoint(path, what="drafter")
         kwargs["use_safetensors"] = True
         config = kwargs.get("config")
         if config is None:
-            if not (path / "config.json").is_file():
-                raise FileNotFoundError(f"drafter directory {path} has no config.json")
             config = Qwen3Config.from_pretrained(path)
             kwargs["config"] = config
             where = path / "config.json"
             try:
                 family_of(config)
-            except ValueError as err:
-                raise ValueError(f"{where}: {err}") from None
-            if draft_value(config, "block_size") is None and draft_value(config, "target_layer_ids") is None:
-                raise ValueError(
-                    f"{where}: not a DFlash drafter (no block_size, no dflash_config; architectures "
-                    f"{getattr(config, 'architectures', None)}): is this the target?"
-                )
-            try:
                 validate_draft_config(config)
             except ValueError as err:
-                raise ValueError(f"{where}: {err}") from None
-        return super().from_pretrained(path, *args, **{**NO_HUB_KERNELS, **kwargs})
+                problem = str(err)
+                if draft_value(config, "block_size") is None and draft_value(config, "target_layer_ids") is None:
+                    problem = (
+                        f"not a DFlash drafter (no block_size, no dflash_config; architectures "
+                        f"{getattr(config, 'architectures', None)}): is this the target?"
+                    )
+                raise ValueError(f"{where}: {problem}") from None
+        info_wanted = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(path, *args, **{**NO_HUB_KERNELS, **kwargs}, output_loading_info=True)
+        # transformers would initialise a missing weight at random: a damaged checkpoint, or another family's.
+        missing = sorted(info.get("missing_keys") or [])
+        unexpected = sorted(set(info.get("unexpected_keys") or []) - set(_SERVING_COPIES))
+        if missing or unexpected:
+            raise ValueError(
+                f"{path}: not the weights its config.json describes (a {family_of(model.config)} drafter): "
+                + "; ".join(
+                    f"{what} {names[:6]}" for what, names in (("missing", missing), ("extra", unexpected)) if names
+                )
+            )
+        return (model, info) if info_wanted else model
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """Write `config.json` + `model.safetensors` in the reference format, atomically (see `atomic_directory`)."""

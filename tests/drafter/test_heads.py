@@ -123,3 +123,22 @@ def test_without_a_markov_head_the_confidence_reads_the_hidden_state_only():
     assert drafter.markov_head is None and drafter.confidence_head.proj.in_features == 64
     hidden = torch.randn(2, 64, dtype=torch.float64)
     assert drafter.confidence_logits(hidden, torch.tensor([1, 2])).shape == (2,)
+
+
+def test_a_checkpoint_missing_a_tensor_or_of_another_family_is_refused_naming_what_differs(tmp_path):
+    """transformers would initialise a missing weight at random and drop an unknown one; a drafter is refused."""
+    drafter = tiny_dspark()
+    drafter.save_pretrained(tmp_path / "d")
+    weights = load_file(tmp_path / "d" / "model.safetensors")
+    from safetensors.torch import save_file
+
+    save_file(
+        {k: v for k, v in weights.items() if k != "markov_head.markov_w2.weight"}, tmp_path / "d" / "model.safetensors"
+    )
+    with pytest.raises(ValueError, match=r"missing \['markov_head.markov_w2.weight'\]"):
+        DFlashDraftModel.from_pretrained(tmp_path / "d")
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    config["architectures"] = ["DFlashDraftModel"]  # a DSpark checkpoint labelled DFlash
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"\(a dflash drafter\): extra \['confidence_head.proj.bias'"):
+        DFlashDraftModel.from_pretrained(tmp_path / "d")
