@@ -304,7 +304,7 @@ def test_training_run_writes_no_secret(tmp_path):
     assert {"config.json", "metrics.jsonl", "measured_tau.json"} <= {p.name for p in files}
     if stub:
         sent = [json.loads(line) for line in (out / "wandb_sent.jsonl").read_text().splitlines()]
-        assert "init" in sent[0] and [r["step"] for r in sent[1:]] == [1, 2]
+        assert "init" in sent[0] and [r["step"] for r in sent[1:]] == [0, 1, 2]  # step 0: the evaluation before
     dirty = {str(p.relative_to(out)): leaked(p.read_bytes()) for p in files}
     assert {name: found for name, found in dirty.items() if found} == {}
     assert json.loads((out / "config.json").read_text())["log"]["trackers"] == ["wandb"]
