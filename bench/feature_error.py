@@ -24,7 +24,7 @@ import time
 import torch
 
 from bench import naive_train_step as naive
-from bench.train_step import build_target as build_random_target
+from bench.train_step import build_random_target
 from flashdraft import bundled
 from flashdraft.benchmarks import train_step as step_timing
 from flashdraft.fastpath import fp8

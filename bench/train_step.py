@@ -76,7 +76,7 @@ def target_config(d: naive.Dims, num_layers: int, smoke: bool):
     return cfg
 
 
-def build_target(d: naive.Dims, full_layers: int, device: str, dtype: torch.dtype, smoke: bool, whole: bool = False):
+def build_random_target(d: naive.Dims, full_layers: int, device: str, dtype: torch.dtype, smoke: bool, whole: bool = False):
     """Random weights, initialised on the device in `dtype` (no fp32 or CPU copy of 27B parameters): the layers up to
     the last captured one, or all of them (`whole`: a DSpark variant reads the final hidden states)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
@@ -449,7 +449,7 @@ def main() -> None:
         d = naive.Dims()
         seqs, full_layers, device, dtype = args.seq or [3072], 64, "cuda", torch.bfloat16
     t0 = time.time()
-    model, full_config = build_target(d, full_layers, device, dtype, args.smoke, whole=bool(args.families))
+    model, full_config = build_random_target(d, full_layers, device, dtype, args.smoke, whole=bool(args.families))
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"built the random target: {model.config.num_hidden_layers} of {full_layers} layers, {n_params / 1e9:.2f}B "
