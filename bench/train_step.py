@@ -76,7 +76,9 @@ def target_config(d: naive.Dims, num_layers: int, smoke: bool):
     return cfg
 
 
-def build_random_target(d: naive.Dims, full_layers: int, device: str, dtype: torch.dtype, smoke: bool, whole: bool = False):
+def build_random_target(
+    d: naive.Dims, full_layers: int, device: str, dtype: torch.dtype, smoke: bool, whole: bool = False
+):
     """Random weights, initialised on the device in `dtype` (no fp32 or CPU copy of 27B parameters): the layers up to
     the last captured one, or all of them (`whole`: a DSpark variant reads the final hidden states)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
