@@ -45,6 +45,17 @@ class SourceFile:
     fs: Any = field(compare=False, repr=False)
     s3: S3Config = field(default_factory=S3Config, compare=False, repr=False)
 
+    def storage_error(self, exc: BaseException) -> DataError:
+        """`exc`, a failure of the storage behind this file, as the DataError that names the file and the fix."""
+        return remote_error(exc, self.url, self.s3, fs_endpoint(self.fs))
+
+    def open_raw(self):
+        """The file's bytes as fsspec opens them (a failure to reach them raised as `storage_error`)."""
+        try:
+            return self.fs.open(self.path, "rb")
+        except Exception as exc:
+            raise self.storage_error(exc) from None
+
 
 @dataclass
 class Record:
@@ -177,7 +188,7 @@ def iter_records(
         except (OSError, EOFError, zlib.error) as exc:
             remote = is_remote_error(exc) or isinstance(exc, (FileNotFoundError, PermissionError))
             if remote or "credentials" in str(exc).lower():
-                raise remote_error(exc, f.url, f.s3, fs_endpoint(f.fs)) from None
+                raise f.storage_error(exc) from None
             bad = DataError(
                 f"unreadable or corrupt file ({type(exc).__name__}: {redact(str(exc))})",
                 reason="unreadable_file",
@@ -185,7 +196,7 @@ def iter_records(
             )
         except Exception as exc:
             if is_remote_error(exc):
-                raise remote_error(exc, f.url, f.s3, fs_endpoint(f.fs)) from None
+                raise f.storage_error(exc) from None
             raise
         if yield_errors and bad.skippable:
             yield Record(None, f.url, error=bad)
@@ -227,11 +238,7 @@ class _Stream:
 
 
 def _iter_jsonl(f: SourceFile, report: DataReport, progress) -> Iterator[Record]:
-    try:
-        raw = f.fs.open(f.path, "rb")
-    except Exception as exc:
-        raise remote_error(exc, f.url, f.s3, fs_endpoint(f.fs)) from None
-    with raw:
+    with f.open_raw() as raw:
         stream = _Stream(raw, progress, f)
         lines = gzip.GzipFile(fileobj=stream, mode="rb") if f.path.lower().endswith(".gz") else _lines(stream)
         n_records = 0
@@ -283,11 +290,7 @@ def _lines(stream, chunk: int = 1 << 20) -> Iterator[bytes]:
 def _iter_parquet(f: SourceFile, report: DataReport, progress) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
-    try:
-        raw = f.fs.open(f.path, "rb")
-    except Exception as exc:
-        raise remote_error(exc, f.url, f.s3, fs_endpoint(f.fs)) from None
-    with raw:
+    with f.open_raw() as raw:
         try:
             pf = pq.ParquetFile(_Stream(raw, None, f))
         except Exception as exc:

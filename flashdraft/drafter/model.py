@@ -135,18 +135,10 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        context: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | BlockMask | None = None,
-        past_key_values: Cache | None = None,
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *attention_args, **attention_kwargs) -> torch.Tensor:
+        """The attention, then the MLP, each around a residual; takes `DFlashAttention.forward`'s arguments."""
         # The context was normed once by hidden_norm; it bypasses input_layernorm and goes straight to k/v_proj.
-        attn = self.self_attn(
-            self.input_layernorm(hidden_states), context, position_embeddings, attention_mask, past_key_values
-        )
+        attn = self.self_attn(self.input_layernorm(hidden_states), *attention_args, **attention_kwargs)
         hidden_states = hidden_states + attn
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 

@@ -218,69 +218,48 @@ def make_backends(fallbacks: TorchFallbacks, conv_backend: str = "auto") -> dict
             why = f"fallback: dtype {q.dtype} not supported by fla"
         return why
 
-    def chunk_gated_delta_rule(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        initial_state=None,
-        output_final_state=False,
-        use_qk_l2norm_in_kernel=False,
-        cu_seqlens=None,
-        **_,
-    ):
-        why = rule_reason(q)
-        if not why and _needs_grad(q, k, v, g, beta, initial_state):
-            why = fla_chunk_backward_problem()
-        record.note(CHUNK_RULE, TORCH if why else FLA, why)
-        fn = fallbacks.chunk_rule if why else fla_chunk
-        kwargs = {} if why else {"cu_seqlens": cu_seqlens}
-        return fn(
-            q,
-            k,
-            v,
-            g=g,
-            beta=beta,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            **kwargs,
-        )
+    def gated_delta_rule(name: str, fla_fn, torch_fn, backward_problem=None):
+        """The device-aware call `name`: fla's `fla_fn` when it can take the inputs, else the layer's `torch_fn`
+        (which takes no cu_seqlens). `backward_problem`: why fla's backward cannot run on this machine ('' if it
+        can), asked only when the call needs gradients; None for a kernel without such a problem."""
 
-    def fused_recurrent_gated_delta_rule(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        initial_state=None,
-        output_final_state=False,
-        use_qk_l2norm_in_kernel=False,
-        cu_seqlens=None,
-        **_,
-    ):
-        why = rule_reason(q)
-        record.note(RECURRENT_RULE, TORCH if why else FLA, why)
-        fn = fallbacks.recurrent_rule if why else fla_recurrent
-        kwargs = {} if why else {"cu_seqlens": cu_seqlens}
-        return fn(
+        def rule(
             q,
             k,
             v,
-            g=g,
-            beta=beta,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            **kwargs,
-        )
+            g,
+            beta,
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=False,
+            cu_seqlens=None,
+            **_,
+        ):
+            why = rule_reason(q)
+            if not why and backward_problem is not None and _needs_grad(q, k, v, g, beta, initial_state):
+                why = backward_problem()
+            record.note(name, TORCH if why else FLA, why)
+            fn = torch_fn if why else fla_fn
+            kwargs = {} if why else {"cu_seqlens": cu_seqlens}
+            return fn(
+                q,
+                k,
+                v,
+                g=g,
+                beta=beta,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                **kwargs,
+            )
+
+        return rule
 
     backends = {
         CONV_FN: causal_conv1d_fn,
         CONV_UPDATE: causal_conv1d_update,
-        CHUNK_RULE: chunk_gated_delta_rule,
-        RECURRENT_RULE: fused_recurrent_gated_delta_rule,
+        CHUNK_RULE: gated_delta_rule(CHUNK_RULE, fla_chunk, fallbacks.chunk_rule, fla_chunk_backward_problem),
+        RECURRENT_RULE: gated_delta_rule(RECURRENT_RULE, fla_recurrent, fallbacks.recurrent_rule),
     }
     for fn in backends.values():
         fn.__flashdraft_backend__ = True

@@ -142,23 +142,13 @@ def _decode(
 
 
 def autoregressive_generate(
-    target: torch.nn.Module,
-    input_ids: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    stop_token_ids: list[int] | None = None,
-    generator: torch.Generator | None = None,
-    engine: bool | None = None,
+    target: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, engine: bool | None = None, **sampling
 ) -> GenerationResult:
     """Plain cached decoding, one target forward per token, with the statistics fields of `generate`.
 
-    engine: as in `generate` (by default the engine's captured decode step on a CUDA target it supports).
+    engine, and sampling (temperature, top_p, top_k, stop_token_ids, generator): as in `generate` (by default the
+    engine's captured decode step on a CUDA target it supports).
     """
-    sampling = dict(
-        temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator
-    )
     return _decode(target, input_ids, max_new_tokens, use_engine(target, engine), {}, lambda: None, 0, None, **sampling)
 
 
@@ -166,28 +156,22 @@ def prompt_lookup_generate(
     target: torch.nn.Module,
     input_ids: torch.Tensor,
     max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
+    *,
     block_size: int = 16,
     ngram_max: int = 3,
     num_draft: int | None = None,
-    stop_token_ids: list[int] | None = None,
-    generator: torch.Generator | None = None,
     max_deferred: int | None = None,
     engine: bool | None = None,
-    verify: str = "block",
+    **sampling,
 ) -> GenerationResult:
     """Prompt-lookup speculative decoding; `num_draft` drafts per round (default `block_size - 1`).
 
-    engine, verify: as in `generate`; the engine verifies blocks of `num_draft + 1` tokens.
+    engine, and sampling (temperature, top_p, top_k, stop_token_ids, generator, verify): as in `generate`; the
+    engine verifies blocks of `num_draft + 1` tokens.
     """
     num_draft = block_size - 1 if num_draft is None else num_draft
     if num_draft < 0:
         raise ValueError(f"num_draft must be >= 0, got {num_draft}")
-    sampling = dict(
-        temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator
-    )
     on_engine = dict(lookup=PromptLookupProposer(ngram_max), block_size=num_draft + 1)
     return _decode(
         target,
@@ -198,7 +182,6 @@ def prompt_lookup_generate(
         lambda: PromptLookupProposer(ngram_max),
         num_draft,
         max_deferred,
-        verify=verify,
         **sampling,
     )
 

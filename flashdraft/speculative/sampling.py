@@ -114,23 +114,10 @@ def validate_verify(verify: str) -> str:
     return verify
 
 
-def rejection_sample(
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None = None,
-    verify: str = "block",
-) -> tuple[int, int]:
-    """Verify drafted tokens against the target's distributions; return (accepted drafts, next token).
-
-    draft_tokens: `[n]` drafted tokens. draft_probs: `[n, V]`, row i the distribution draft i was drawn from
-    (given the drafts before it), or None for a deterministic proposer (prompt lookup: q is one-hot on the drafted
-    token). target_probs: `[n + 1, V]`, row i is the target's distribution for the position of draft i (row n:
-    after the last draft). verify: block or token (the module's docstring). The returned token is the correction
-    after the accepted drafts, or the bonus token after n accepts.
-    """
-    accepted, token = rejection_sample_tensors(draft_tokens, draft_probs, target_probs, generator, verify)
-    accepted, token = torch.stack([accepted, token]).tolist()
+def rejection_sample(*args, **kwargs) -> tuple[int, int]:
+    """Verify drafted tokens against the target's distributions: (accepted drafts, next token) as ints. Takes
+    `rejection_sample_tensors`'s arguments and reads its result on the host."""
+    accepted, token = torch.stack(rejection_sample_tensors(*args, **kwargs)).tolist()
     return accepted, token
 
 
@@ -141,10 +128,17 @@ def rejection_sample_tensors(
     generator: torch.Generator | None = None,
     verify: str = "block",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rejection_sample` without leaving the device: (accepted drafts, next token) as 0-d long tensors.
+    """Verify drafted tokens against the target's distributions without leaving the device: (accepted drafts, next
+    token) as 0-d long tensors (`rejection_sample` reads them on the host).
 
-    Draws the same random numbers in the same order (n uniforms, then one token), so both give the same result
-    with the same generator state.
+    draft_tokens: `[n]` drafted tokens. draft_probs: `[n, V]`, row i the distribution draft i was drawn from
+    (given the drafts before it), or None for a deterministic proposer (prompt lookup: q is one-hot on the drafted
+    token). target_probs: `[n + 1, V]`, row i is the target's distribution for the position of draft i (row n:
+    after the last draft). verify: block or token (the module's docstring). The returned token is the correction
+    after the accepted drafts, or the bonus token after n accepts.
+
+    Both functions draw the same random numbers in the same order (n uniforms, then one token), so they give the
+    same result with the same generator state.
     """
     validate_verify(verify)
     n = draft_tokens.shape[0]

@@ -23,7 +23,7 @@ from flashdraft.io.space import room_for
 from flashdraft.train.checkpoint.load import restore
 from flashdraft.train.checkpoint.manifest import MANIFEST, CheckpointError, CheckpointFormatError, verify
 from flashdraft.train.checkpoint.rng import capture_rng_state
-from flashdraft.train.checkpoint.save import trainer_state_json, write_checkpoint, write_sharded
+from flashdraft.train.checkpoint.save import ReplicatedState, trainer_state_json, write_checkpoint, write_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -74,17 +74,16 @@ class CheckpointManager:
         if step < 0:
             raise ValueError(f"step = {step}: must be >= 0")
         # First, before anything else can draw a random number.
-        rng = capture_rng_state(generators)
-        state_json = trainer_state_json(step, trainer_state)
+        replicated = ReplicatedState(scheduler, capture_rng_state(generators), trainer_state_json(step, trainer_state))
         if ranks.initialized():
-            return self._save_sharded(step, drafter, optimizer, scheduler, rng, state_json)
+            return self._save_sharded(step, drafter, optimizer, replicated)
         final = self.path_for(step)
         with lock.hold(self.out, "train") as held, self._room(final, estimate_bytes(drafter, optimizer)):
             self.root.mkdir(parents=True, exist_ok=True)
             self._remove_stale_tmp(held)
             tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=self.root))
             try:
-                write_checkpoint(tmp, step, unwrap(drafter), optimizer, scheduler, rng, state_json)
+                write_checkpoint(tmp, step, unwrap(drafter), optimizer, replicated)
                 self._install(tmp, final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -94,7 +93,7 @@ class CheckpointManager:
         logger.info("checkpoint %s written", final)
         return final
 
-    def _save_sharded(self, step: int, drafter: nn.Module, optimizer, scheduler, rng: dict, state_json: str) -> Path:
+    def _save_sharded(self, step: int, drafter: nn.Module, optimizer, replicated: ReplicatedState) -> Path:
         """`save` under torchrun: every rank writes its DCP shards into rank 0's temporary directory, then rank 0
         adds the replicated files, the manifest, and publishes the directory as in one process."""
         import torch.distributed as dist
@@ -117,7 +116,7 @@ class CheckpointManager:
             dist.broadcast_object_list(box, src=0)
             tmp = Path(box[0])
             try:
-                write_sharded(tmp, step, drafter, optimizer, scheduler, rng, state_json, full if main else None)
+                write_sharded(tmp, step, drafter, optimizer, replicated, full if main else None)
                 if main:
                     self._install(tmp, final)
             except BaseException:

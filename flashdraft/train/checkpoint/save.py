@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +29,28 @@ def trainer_state_json(step: int, trainer_state: dict) -> str:
     return json.dumps(state, indent=1) + "\n"
 
 
+@dataclass(frozen=True)
+class ReplicatedState:
+    """What every kind of checkpoint holds once, however many ranks wrote it: scheduler.pt, rng.pt (rank 0's RNG
+    states under torchrun) and trainer_state.json (its text, from `trainer_state_json`)."""
+
+    scheduler: Any
+    rng: dict
+    state_json: str
+
+    def write(self, directory: Path) -> None:
+        torch_save(self.scheduler.state_dict(), directory / "scheduler.pt")
+        torch_save(self.rng, directory / "rng.pt")
+        write_synced(directory / "trainer_state.json", self.state_json)
+
+
 def write_checkpoint(
-    directory: Path,
-    step: int,
-    drafter: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    rng: dict,
-    state_json: str,
+    directory: Path, step: int, drafter: nn.Module, optimizer: torch.optim.Optimizer, replicated: ReplicatedState
 ) -> None:
     """One process: the drafter (unwrapped), optimizer.pt and the replicated files, then the manifest."""
     drafter.save_pretrained(directory / "drafter")
     torch_save(optimizer.state_dict(), directory / "optimizer.pt")
-    _write_replicated(directory, scheduler, rng, state_json)
+    replicated.write(directory)
     write_manifest(directory, step)
     fsync_tree(directory)
 
@@ -50,9 +60,7 @@ def write_sharded(
     step: int,
     drafter: nn.Module,
     optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    rng: dict,
-    state_json: str,
+    replicated: ReplicatedState,
     full_weights: dict | None,
 ) -> None:
     """Under torchrun, collective: every rank writes its DCP shards of {"model", "optimizer"}; rank 0, which
@@ -66,7 +74,7 @@ def write_sharded(
     if full_weights is None:
         return
     _save_plain_drafter(drafter, full_weights, directory / "drafter")
-    _write_replicated(directory, scheduler, rng, state_json)
+    replicated.write(directory)
     write_manifest(directory, step, ranks=dist.get_world_size())
     fsync_tree(directory)
 
@@ -74,13 +82,6 @@ def write_sharded(
 def torch_save(obj: Any, path: Path) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
-
-
-def _write_replicated(directory: Path, scheduler: Any, rng: dict, state_json: str) -> None:
-    """The files every kind of checkpoint holds once: scheduler.pt, rng.pt, trainer_state.json."""
-    torch_save(scheduler.state_dict(), directory / "scheduler.pt")
-    torch_save(rng, directory / "rng.pt")
-    write_synced(directory / "trainer_state.json", state_json)
 
 
 def _save_plain_drafter(drafter: nn.Module, state: dict, directory: Path) -> None:

@@ -7,11 +7,14 @@ training. Same arguments and return contract as `dflash_loss`: (loss, `LossStats
 
 from __future__ import annotations
 
+import inspect
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 
 from flashdraft.train.blocks import IGNORE_INDEX
-from flashdraft.train.loss.dspark import DSPARK, DSparkWeights
+from flashdraft.train.loss.dspark import dspark_loss
 from flashdraft.train.loss.fused import check_loss_inputs
 from flashdraft.train.loss.objective import PAPER, Objective, labelled_blocks
 from flashdraft.train.loss.stats import LossStats, block_stats
@@ -88,43 +91,40 @@ def reference_dspark_loss(
     teacher_hidden: torch.Tensor,
     labels: torch.Tensor,
     weights: torch.Tensor,
-    *,
-    block_size: int,
-    markov: torch.Tensor | None = None,
-    markov_w2: torch.Tensor | None = None,
-    confidence_logits: torch.Tensor | None = None,
-    loss_weights: DSparkWeights = DSPARK,
-    objective: Objective = PAPER,
-    offset: int = 1,
-    denominator: torch.Tensor | float | None = None,
+    **options,
 ) -> tuple[torch.Tensor, LossStats]:
     """`dspark_loss` written plainly from full (B, Q, V) logits with torch's own functions and autograd: what it
-    must equal, for tests (in float64: pass float64 tensors)."""
+    must equal, for tests (in float64: pass float64 tensors). `options`: dspark_loss's keyword arguments, with its
+    defaults (its chunking ones, chunk_size and compile_chunks, change nothing here)."""
+    # Bound to dspark_loss's own signature, so that the two take the same options with the same defaults.
+    bound = inspect.signature(dspark_loss).bind_partial(**options)
+    bound.apply_defaults()
+    options = SimpleNamespace(**bound.arguments)
     dtype = torch.promote_types(torch.promote_types(hidden.dtype, lm_head_weight.dtype), torch.float32)
     labelled = labels != IGNORE_INDEX
     logits = hidden.to(dtype) @ lm_head_weight.to(dtype).t()
-    if markov is not None:
-        logits = logits + markov.to(dtype) @ markov_w2.to(dtype).t()
+    if options.markov is not None:
+        logits = logits + options.markov.to(dtype) @ options.markov_w2.to(dtype).t()
     teacher = (teacher_hidden.to(dtype) @ lm_head_weight.to(dtype).t()).detach()
     q, p = logits.softmax(-1), teacher.softmax(-1)
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX)
     distance = (q - p).abs().sum(-1)
     acceptance = torch.minimum(q, p).sum(-1).clamp(0, 1).detach()
-    token_loss = loss_weights.ce * ce.view(labels.shape) + loss_weights.distance * distance
-    if confidence_logits is not None:
-        bce = F.binary_cross_entropy_with_logits(confidence_logits.to(dtype), acceptance, reduction="none")
-        token_loss = token_loss + loss_weights.confidence * bce
-    if objective.weighting == "dpace":
-        w = _dpace_by_definition(acceptance, labelled, block_size, objective.dpace_alpha)
+    token_loss = options.loss_weights.ce * ce.view(labels.shape) + options.loss_weights.distance * distance
+    if options.confidence_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(options.confidence_logits.to(dtype), acceptance, reduction="none")
+        token_loss = token_loss + options.loss_weights.confidence * bce
+    if options.objective.weighting == "dpace":
+        w = _dpace_by_definition(acceptance, labelled, options.block_size, options.objective.dpace_alpha)
     else:
         w = torch.where(labelled, weights.to(dtype), 0.0)
-    normaliser = objective.normaliser(labels, weights.to(dtype), block_size)
-    denominator = normaliser if denominator is None else torch.as_tensor(denominator, dtype=dtype)
+    normaliser = options.objective.normaliser(labels, weights.to(dtype), options.block_size)
+    denominator = normaliser if options.denominator is None else torch.as_tensor(options.denominator, dtype=dtype)
     loss_sum = torch.where(labelled, w * token_loss, 0.0).sum()
     loss = loss_sum / denominator if denominator > 0 else loss_sum * 0
     with torch.no_grad():
         hits = (logits.argmax(-1) == labels) & labelled
-        stats = block_stats(hits, labelled, loss_sum, normaliser, block_size, offset)
+        stats = block_stats(hits, labelled, loss_sum, normaliser, options.block_size, options.offset)
     return loss, stats
 
 
