@@ -63,39 +63,59 @@ BASELINES = METHODS[1:]
 
 @dataclass
 class Tally:
-    """Sums of the statistics of many generations of one method."""
+    """The generations of one method, and the sums and means over them."""
 
-    tokens: int = 0
-    seconds: float = 0.0
-    # After the first token (prefill excluded): seconds and verification rounds (decode steps for AR).
-    decode_seconds: float = 0.0
-    rounds: int = 0
-    acceptance_lengths: list[int] = field(default_factory=list)
-    position_accepted: list[int] = field(default_factory=list)
-    position_offered: list[int] = field(default_factory=list)
-    # Tokens after the first (decoded by rounds); per generation: prefill, first-round and steady round seconds.
-    decode_tokens: int = 0
-    prefills: list[float] = field(default_factory=list)
-    first_rounds: list[float] = field(default_factory=list)
-    steady_rounds: list[float] = field(default_factory=list)
+    results: list[GenerationResult] = field(default_factory=list)
 
     def add(self, result: GenerationResult) -> None:
-        self.tokens += len(result.tokens)
-        self.seconds += result.total_time
-        self.decode_seconds += result.total_time - result.time_to_first_token
-        self.decode_tokens += max(len(result.tokens) - 1, 0)
-        self.rounds += result.num_rounds
-        self.prefills.append(result.time_to_first_token)
-        if result.num_rounds:
-            self.first_rounds.append(result.first_round_time)
-        if result.num_rounds > 1:
-            self.steady_rounds.append(result.steady_round_time)
-        self.acceptance_lengths += result.acceptance_lengths
-        for name in ("position_accepted", "position_offered"):
-            mine, theirs = getattr(self, name), getattr(result, name)
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for i, value in enumerate(theirs):
-                mine[i] += value
+        self.results.append(result)
+
+    def _sum(self, value) -> float:
+        return sum(value(r) for r in self.results)
+
+    @property
+    def tokens(self) -> int:
+        return self._sum(lambda r: len(r.tokens))
+
+    @property
+    def seconds(self) -> float:
+        return self._sum(lambda r: r.total_time)
+
+    @property
+    def rounds(self) -> int:
+        """Verification rounds (decode steps for autoregressive decoding)."""
+        return self._sum(lambda r: r.num_rounds)
+
+    @property
+    def decode_seconds(self) -> float:
+        """Seconds after the first token (prefill excluded)."""
+        return self._sum(lambda r: r.total_time - r.time_to_first_token)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens after the first (decoded by rounds)."""
+        return self._sum(lambda r: max(len(r.tokens) - 1, 0))
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        return [n for r in self.results for n in r.acceptance_lengths]
+
+    def _per_position(self, name: str) -> list[int]:
+        total: list[int] = []
+        for r in self.results:
+            counts = getattr(r, name)
+            total.extend([0] * (len(counts) - len(total)))
+            for i, value in enumerate(counts):
+                total[i] += value
+        return total
+
+    @property
+    def position_accepted(self) -> list[int]:
+        return self._per_position("position_accepted")
+
+    @property
+    def position_offered(self) -> list[int]:
+        return self._per_position("position_offered")
 
     @property
     def tokens_per_second(self) -> float:
@@ -109,16 +129,19 @@ class Tally:
     @property
     def prefill_ms(self) -> float:
         """Mean milliseconds to the first token."""
-        return 1e3 * statistics.fmean(self.prefills) if self.prefills else math.nan
+        prefills = [r.time_to_first_token for r in self.results]
+        return 1e3 * statistics.fmean(prefills) if prefills else math.nan
 
     @property
     def first_round_ms(self) -> float:
-        return 1e3 * statistics.fmean(self.first_rounds) if self.first_rounds else math.nan
+        firsts = [r.first_round_time for r in self.results if r.num_rounds]
+        return 1e3 * statistics.fmean(firsts) if firsts else math.nan
 
     @property
     def steady_round_ms(self) -> float:
         """The median over generations of each one's steady round time (the median of its rounds after the first)."""
-        return 1e3 * statistics.median(self.steady_rounds) if self.steady_rounds else math.nan
+        steady = [r.steady_round_time for r in self.results if r.num_rounds > 1]
+        return 1e3 * statistics.median(steady) if steady else math.nan
 
     @property
     def round_ms(self) -> float:
