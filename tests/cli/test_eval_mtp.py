@@ -44,7 +44,7 @@ def _run(models, tmp_path, *extra, target="target"):
 
 
 def _method_rows(printed: str) -> list[str]:
-    table = printed.split("every method on the same prompts")[1]
+    table = printed.split("every method on the same prompts")[1].split("where the time goes")[0]
     return [line.split("│")[1].strip() for line in table.splitlines() if line.startswith("│")]
 
 
