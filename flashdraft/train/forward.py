@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from flashdraft.config import RunConfig
 from flashdraft.devices import autocast
@@ -117,7 +118,13 @@ class Drafting:
         markov = confidence = w2 = None
         with autocast(self.device):
             if drafter.markov_head is not None:
-                blocked = drafter.markov_head.block_features(prev.view(shape), hidden.view(*shape, hidden.shape[-1]))
+                # The chain starts at a block's first drafting slot, as drafting walks it: with offset 0 the anchor
+                # slot drafts nothing and must not feed the rnn's state.
+                start = 1 - blocks.offset
+                blocked = drafter.markov_head.block_features(
+                    prev.view(shape)[..., start:], hidden.view(*shape, hidden.shape[-1])[..., start:, :]
+                )
+                blocked = F.pad(blocked, (0, 0, start, 0))
                 markov, w2 = blocked.flatten(1, 2), drafter.markov_head.markov_w2.weight
             if drafter.confidence_head is not None:
                 confidence = drafter.confidence_logits(hidden, prev)

@@ -112,3 +112,32 @@ def test_a_dspark_run_resumes_exactly(tmp_path):
     a = load_file(whole / "checkpoints" / "step_00000004" / "drafter" / "model.safetensors")
     b = load_file(cut / "checkpoints" / "step_00000004" / "drafter" / "model.safetensors")
     assert "markov_head.joint_proj.weight" in a and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_with_the_anchor_slot_drafting_nothing_the_rnn_chain_starts_where_drafting_starts(monkeypatch):
+    """sample_from_anchor = false (offset 0): block slot 0 holds the anchor and drafts nothing. The rnn Markov
+    head's state must start at slot 1, from zero, as `MarkovHead.walk` starts it when drafting; slot 0 gets no
+    features. (Run across slot 0 first, training would teach a state that drafting never has.)"""
+    cfg, target, s = _setup("drafter.dspark.sample_from_anchor=false")
+    data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
+    seen, real_loss = [], forward.dspark_loss
+
+    def loss(hidden, head, teacher, labels, weights, **kwargs):
+        seen.append((hidden.detach(), kwargs["markov"].detach(), kwargs["offset"]))
+        return real_loss(hidden, head, teacher, labels, weights, **kwargs)
+
+    monkeypatch.setattr(forward, "dspark_loss", loss)
+    batch = _batch(cfg, s, data)
+    loop.train_step(s, cfg, _NoUpdate(s.drafter), batch)
+    head, k = s.drafter.markov_head, cfg.drafter.block_size
+    for (hidden, markov, offset), micro in zip(seen, batch, strict=True):
+        assert offset == 0
+        prev = forward.before_labels(micro.input_ids, micro.blocks)
+        with torch.no_grad():
+            for b in range(hidden.shape[0]):
+                for first in range(0, hidden.shape[1], k):
+                    assert markov[b, first].abs().max() == 0
+                    state = None
+                    for q in (first + 1, first + 2):
+                        expected, state = head.step(prev[b, q], hidden[b, q], state)
+                        torch.testing.assert_close(markov[b, q], expected, rtol=1e-5, atol=1e-6)
