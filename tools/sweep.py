@@ -180,7 +180,7 @@ class Decoder:
     def run(self, method: str, temperature: float, drafter=None) -> tuple[float, list[list[int]]]:
         """(τ over all rounds of all prompts, each prompt's tokens)."""
         from flashdraft.speculative import generate, prompt_lookup_generate
-        from flashdraft.speculative.evaluate import Tally
+        from flashdraft.speculative.tally import Tally
 
         tally, outputs = Tally(), []
         for i, prompt in enumerate(self.prompts):

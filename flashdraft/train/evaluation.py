@@ -43,9 +43,9 @@ from flashdraft.distributed.data_parallel import gather_drafter
 from flashdraft.drafter import DFlashDraftModel, select_context_features
 from flashdraft.io.atomic import atomic_write_text
 from flashdraft.speculative.engine import session as engine_session
-from flashdraft.speculative.evaluate import Tally
 from flashdraft.speculative.generate import generate, use_engine
 from flashdraft.speculative.prompts import load_prompts
+from flashdraft.speculative.tally import Tally
 from flashdraft.target import load_causal_lm
 from flashdraft.train.blocks import build_blocks
 from flashdraft.train.dataloader import MicroBatch, collate

@@ -11,6 +11,7 @@ from flashdraft.benchmarks import train_step as bench
 from flashdraft.config import load_config
 from flashdraft.drafter import DFlashDraftModel
 from flashdraft.telemetry.flops import step_flops
+from tests import SHIPPED_DRAFTER
 
 TINY = ["data.max_length=48", "recipe.num_anchors=5", "train.batch_size=2", "train.grad_accum=2"]
 
@@ -25,7 +26,7 @@ def test_synthetic_sequences_are_seeded_and_all_response():
 
 
 def test_run_train_step_times_every_phase():
-    cfg = load_config(bundled.ASSETS / "train.yaml", TINY)
+    cfg = load_config(bundled.ASSETS / "train.yaml", [*SHIPPED_DRAFTER, *TINY])
     target, tokenizer = bench.load_bench_target(cfg)
     s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=3)
     result = bench.run_train_step(s, cfg, warmup=1, steps=2)
@@ -114,7 +115,7 @@ def test_step_flops_count_what_a_step_multiplies(family):
     from flashdraft.train.optim import build_optimizer
 
     overrides = ["data.max_length=32", "recipe.num_anchors=3", "train.batch_size=1", "train.grad_accum=1", *family]
-    cfg = load_config(bundled.ASSETS / "train.yaml", overrides)
+    cfg = load_config(bundled.ASSETS / "train.yaml", [*SHIPPED_DRAFTER, *overrides])
     target, tokenizer = bench.load_bench_target(cfg)
     s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=1)
     optimizer = build_optimizer(s.drafter.parameters(), cfg.optim, s.device)

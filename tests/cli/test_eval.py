@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flashdraft.cli import eval as eval_cli
+from tests import SHIPPED_DRAFTER
 from tests.speculative import one_thread, random_drafter, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 from tests.speculative.test_prompts import WORDS, _tokenizer, _write
 
@@ -329,7 +330,7 @@ def test_no_arguments_evaluates_the_bundled_default(tmp_path, monkeypatch):
     from flashdraft.train.loop import train
 
     monkeypatch.chdir(tmp_path)
-    train(load_config(bundled.ASSETS / "train.yaml", ["train.max_steps=2", "data.eval_prompts=null"]))
+    train(load_config(bundled.ASSETS / "train.yaml", [*SHIPPED_DRAFTER, "train.max_steps=2", "data.eval_prompts=null"]))
     args = _args("--limit", "1", "--max-new-tokens", "24", "--json", str(tmp_path / "r.json"), "--no-progress")
     assert args.run(args) == 0
     report = json.loads((tmp_path / "r.json").read_text())
@@ -346,7 +347,13 @@ def test_eval_of_a_training_run_takes_its_target_prompts_and_latest_checkpoint(t
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     run = tmp_path / "run"
-    quick = ["train.max_steps=2", "train.batch_size=1", "data.eval_limit=1", "data.eval_max_new_tokens=4"]
+    quick = [
+        *SHIPPED_DRAFTER,
+        "train.max_steps=2",
+        "train.batch_size=1",
+        "data.eval_limit=1",
+        "data.eval_max_new_tokens=4",
+    ]
     assert cli.main(["train", "--out", str(run), *quick]) == 0
     capsys.readouterr()
     common = ["eval", "--drafter", str(run), "--limit", "1", "--max-new-tokens", "8", "--no-progress"]

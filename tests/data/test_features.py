@@ -14,11 +14,13 @@ from flashdraft.config import load_config
 from flashdraft.data.features import FeatureStore, write_features
 from flashdraft.train import loop, setup
 from flashdraft.train.setup import load_inputs
+from tests import SHIPPED_DRAFTER
 from tests.data.conftest import moto_server, no_aws, s3  # noqa: F401 (the moto S3 fixtures of tests/data)
 
 ROOT = Path(__file__).resolve().parents[2]
 # batch_size 1: the online trainer then captures each sequence alone, exactly as the features command does.
 RUN = [
+    *SHIPPED_DRAFTER,
     "train.max_steps=3",
     "log.every=1",
     "log.checkpoint_every=3",

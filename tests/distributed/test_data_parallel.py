@@ -20,6 +20,7 @@ from flashdraft.config import load_config
 from flashdraft.train import loop, setup
 from flashdraft.train.checkpoint import CheckpointManager
 from flashdraft.train.optim import build_optimizer, build_scheduler
+from tests import SHIPPED_DRAFTER
 from tests.distributed.torchrun import RUN, run_env, torchrun
 
 pytestmark = pytest.mark.slow
@@ -36,7 +37,7 @@ def _losses(out: Path) -> dict[int, float]:
 
 
 def _cfg(out: Path, *extra: str):
-    return load_config(bundled.ASSETS / "train.yaml", [*RUN, f"log.out={out}", *extra])
+    return load_config(bundled.ASSETS / "train.yaml", [*SHIPPED_DRAFTER, *RUN, f"log.out={out}", *extra])
 
 
 def _state(out: Path, step: int, *extra: str):

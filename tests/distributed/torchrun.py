@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import SHIPPED_DRAFTER
+
 ROOT = Path(__file__).resolve().parents[2]
 # 4 steps, a checkpoint every 2; no measured τ (decoding is rank 0's alone and tested elsewhere).
 RUN = [
+    *SHIPPED_DRAFTER,
     "train.max_steps=4",
     "log.every=1",
     "log.checkpoint_every=2",

@@ -13,12 +13,13 @@ from flashdraft.speculative import generate
 from flashdraft.speculative.prompts import load_prompts
 from flashdraft.train import evaluation, setup
 from flashdraft.train.evaluation import Evaluator, eval_prompts_path, heldout_anchors
+from tests import SHIPPED_DRAFTER
 
 SHORT = ["data.eval_limit=3", "data.eval_max_new_tokens=24"]
 
 
 def _cfg(out, *extra):
-    return load_config(bundled.ASSETS / "train.yaml", [f"log.out={out}", *SHORT, *extra])
+    return load_config(bundled.ASSETS / "train.yaml", [*SHIPPED_DRAFTER, f"log.out={out}", *SHORT, *extra])
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from flashdraft.target import load_causal_lm
 from flashdraft.telemetry.metrics import describe_before_after
 from flashdraft.train import forward, loop
 from flashdraft.train.dataloader import DataLoader
+from tests import SHIPPED_DRAFTER
 from tests.telemetry.drawn import curve_pixels, shown
 
 PLOT = importlib.util.find_spec("matplotlib") is not None  # the plot extra; without it no curve, and a notice
@@ -36,7 +37,7 @@ SHORT = [
 
 
 def _cfg(out, *extra):
-    return load_config(bundled.ASSETS / "train.yaml", [*SHORT, f"log.out={out}", *extra])
+    return load_config(bundled.ASSETS / "train.yaml", [*SHIPPED_DRAFTER, *SHORT, f"log.out={out}", *extra])
 
 
 def _records(out):
@@ -331,7 +332,9 @@ def test_static_shapes_pad_without_changing_loss_or_gradients():
         "train.device=cpu",
     ]
     cfg = {
-        static: load_config(bundled.ASSETS / "train.yaml", [*overrides, f"train.static_shapes={static}"])
+        static: load_config(
+            bundled.ASSETS / "train.yaml", [*SHIPPED_DRAFTER, *overrides, f"train.static_shapes={static}"]
+        )
         for static in ("false", "true")
     }
     target, tokenizer = bench.load_bench_target(cfg["false"])
@@ -374,7 +377,7 @@ def test_recipe_objective_reaches_the_loss(monkeypatch):
 
     recipe = ["recipe.loss=lk", "recipe.lk_eta=2", "recipe.loss_weighting=dpace", "recipe.anchor_sampling=stratified"]
     overrides = ["data.max_length=40", "recipe.num_anchors=3", "train.batch_size=2", "train.grad_accum=2"]
-    cfg = load_config(bundled.ASSETS / "train.yaml", [*overrides, "train.device=cpu", *recipe])
+    cfg = load_config(bundled.ASSETS / "train.yaml", [*SHIPPED_DRAFTER, *overrides, "train.device=cpu", *recipe])
     target, tokenizer = bench.load_bench_target(cfg)
     s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
     data = _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0])
@@ -404,7 +407,9 @@ def test_target_labels_reach_the_loss_as_the_targets_final_states(monkeypatch):
     from flashdraft.benchmarks import train_step as bench
 
     overrides = ["data.max_length=40", "recipe.num_anchors=3", "train.batch_size=2", "train.grad_accum=2"]
-    cfg = load_config(bundled.ASSETS / "train.yaml", [*overrides, "train.device=cpu", "recipe.labels=target"])
+    cfg = load_config(
+        bundled.ASSETS / "train.yaml", [*SHIPPED_DRAFTER, *overrides, "train.device=cpu", "recipe.labels=target"]
+    )
     target, tokenizer = bench.load_bench_target(cfg)
     assert len(target.decoder.layers) == target.num_target_layers  # nothing truncated
     s = bench.bench_setup(cfg, target, tokenizer=tokenizer, steps=2)
@@ -458,9 +463,12 @@ def test_compiled_flex_steps_over_ragged_batches_on_gpu():
 
     base = ["data.max_length=40", "recipe.num_anchors=6", "train.batch_size=2", "train.grad_accum=1"]
     eager = load_config(
-        bundled.ASSETS / "train.yaml", [*base, "train.attention=sdpa", "train.compile=false", "target.compile=false"]
+        bundled.ASSETS / "train.yaml",
+        [*SHIPPED_DRAFTER, *base, "train.attention=sdpa", "train.compile=false", "target.compile=false"],
     )
-    fast = load_config(bundled.ASSETS / "train.yaml", [*base, "train.attention=flex", "train.compile=true"])
+    fast = load_config(
+        bundled.ASSETS / "train.yaml", [*SHIPPED_DRAFTER, *base, "train.attention=flex", "train.compile=true"]
+    )
     target, tokenizer = bench.load_bench_target(eager)
     losses = {}
     for name, cfg in (("eager", eager), ("fast", fast)):
@@ -488,7 +496,7 @@ TWO_STEPS = [
 
 
 def _two_steps(out, *extra):
-    return load_config(bundled.ASSETS / "train.yaml", [*TWO_STEPS, f"log.out={out}", *extra])
+    return load_config(bundled.ASSETS / "train.yaml", [*SHIPPED_DRAFTER, *TWO_STEPS, f"log.out={out}", *extra])
 
 
 def _rows(out):
@@ -600,7 +608,13 @@ def test_no_step_tensor_grows_with_the_square_of_the_length_or_with_length_times
     for length in (400, 1600):  # no model width among the lengths below
         cfg = load_config(
             bundled.ASSETS / "train.yaml",
-            [f"data.max_length={length}", "recipe.num_anchors=8", "train.batch_size=2", "train.device=cpu"],
+            [
+                *SHIPPED_DRAFTER,
+                f"data.max_length={length}",
+                "recipe.num_anchors=8",
+                "train.batch_size=2",
+                "train.device=cpu",
+            ],
         )
         target, tokenizer = bench.load_bench_target(cfg)
         vocab = target.lm_head_weight.shape[0]

@@ -7,10 +7,11 @@ import pytest
 from flashdraft import bundled
 from flashdraft.config import load_config
 from flashdraft.train.setup import load_inputs, setup
+from tests import SHIPPED_DRAFTER
 
 
 def _cfg(out, *extra):
-    return load_config(bundled.ASSETS / "train.yaml", ["data.eval_limit=1", f"log.out={out}", *extra])
+    return load_config(bundled.ASSETS / "train.yaml", [*SHIPPED_DRAFTER, "data.eval_limit=1", f"log.out={out}", *extra])
 
 
 def test_target_compile_reaches_the_frozen_target(tmp_path):
