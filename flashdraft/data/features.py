@@ -25,7 +25,7 @@ move the last bits). Reading fetches one sample's bytes with a ranged read; noth
 Writing a local directory holds its lock (flashdraft.io.lock; rank 0 under torchrun), removes an old index first and
 writes each file under a temporary name: a run that is cut off or runs out of room (StorageFull, naming the path and
 the space needed) leaves no features.json, so `train` refuses the directory rather than reading half of it. The index
-is checked field by field when read; every message names the file.
+is checked field by field when read (feature_index.py); every message names the file.
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ import struct
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from flashdraft.data.errors import DataError
+from flashdraft.data.feature_index import CONFIG, FORMAT, HEAD, INDEX, read_index
+from flashdraft.data.head_target import HeadTarget
 from flashdraft.distributed import ranks
 from flashdraft.io import lock
 from flashdraft.io.atomic import atomic_write_bytes
@@ -49,10 +50,6 @@ from flashdraft.io.space import room_for
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "flashdraft-features/1"
-INDEX = "features.json"
-HEAD = "head.safetensors"
-CONFIG = "config.json"
 SHARD_BYTES = 1 << 30
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
@@ -218,7 +215,7 @@ class FeatureStore:
 
         self.fs, self.root = _fs(url, s3)
         self.attempts = (s3 or S3Config()).attempts
-        self.index = _read_index(self.fs, self.root, url)
+        self.index = read_index(self.fs, self.root, url)
         self.final_hidden = bool(self.index.get("final_hidden", False))  # written before the field existed: no
         self.width = (len(self.index["target_layer_ids"]) + self.final_hidden) * int(self.index["hidden_size"])
         self._headers: dict[str, tuple[int, dict]] = {}
@@ -297,98 +294,3 @@ class FeatureStore:
 
         path = f"{self.root}/{name}"
         return read_again_if_cut_off(lambda: self.fs.cat_file(path, start=start, end=end), self.attempts, path)
-
-
-# field -> (check, what it must be)
-_INDEX_FIELDS = {
-    "target_layer_ids": (
-        lambda v: isinstance(v, list) and v and all(type(i) is int and i >= 0 for i in v),
-        "a non-empty list of layer indices",
-    ),
-    "hidden_size": (lambda v: type(v) is int and v > 0, "a positive integer"),
-    "dtype": (lambda v: v in ("bfloat16", "float16", "float32", "float64"), "bfloat16, float16, float32 or float64"),
-    "data_hash": (lambda v: isinstance(v, str) and v, "the content hash of the tokenised data"),
-    "num_samples": (lambda v: type(v) is int and v >= 0, "a sample count"),
-    "files": (
-        lambda v: isinstance(v, list) and all(isinstance(n, str) and "/" not in n for n in v),
-        "a list of file names in the directory",
-    ),
-    "samples": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of file names"),
-}
-
-
-def _read_index(fs, root: str, url: str) -> dict:
-    """features.json, checked field by field; DataError naming the file and the field."""
-    where = f"{url.rstrip('/')}/{INDEX}"
-    try:
-        raw = fs.cat_file(f"{root}/{INDEX}")
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"data.features = {url}: no {INDEX} there (run `flashdraft features --out "
-            f"{url}` first; the index is written last, so a cut-off run has none)"
-        ) from None
-
-    def bad(what: str, field: str | None = None) -> DataError:
-        return DataError(what, reason="unreadable_file", source=where, field=field, skippable=False)
-
-    try:
-        index = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise bad(f"not valid UTF-8 (byte {exc.start}): the file is damaged; run `flashdraft features` again") from None
-    except json.JSONDecodeError as exc:
-        raise bad(
-            f"not valid JSON ({exc.msg}, line {exc.lineno} column {exc.colno}): the file is damaged; run "
-            "`flashdraft features` again"
-        ) from None
-    if not isinstance(index, dict):
-        raise bad(f"expected a JSON object, got {type(index).__name__}")
-    if index.get("format") != FORMAT:
-        raise bad(
-            f"format {index.get('format')!r}, not {FORMAT}: capture the features again with this version", "format"
-        )
-    if not isinstance(index.get("final_hidden", False), bool):  # absent in indices written before it existed
-        raise bad(f"expected true or false, got {index['final_hidden']!r:.80}", "final_hidden")
-    for field, (ok, expected) in _INDEX_FIELDS.items():
-        if field not in index:
-            raise bad("missing", field)
-        if not ok(index[field]):
-            raise bad(f"expected {expected}, got {index[field]!r:.80}", field)
-    if len(index["samples"]) != index["num_samples"]:
-        raise bad(f"{len(index['samples'])} entries for num_samples = {index['num_samples']}", "samples")
-    unknown = sorted(set(index["samples"]) - set(index["files"]))
-    if unknown:
-        raise bad(f"names {unknown[0]}, which is not among the index's files", "samples")
-    return index
-
-
-class HeadTarget:
-    """The target as offline training needs it: config, captured layer ids, embedding and LM head; no layers."""
-
-    def __init__(self, config, target_layer_ids: list[int], embed: torch.Tensor, lm_head: torch.Tensor, name=None):
-        self.config = config
-        self.target_layer_ids = list(target_layer_ids)
-        self.num_target_layers = int(config.num_hidden_layers)
-        self.hidden_size = int(config.hidden_size)
-        self.name_or_path = name
-        self.model = nn.Module()  # holds the two weights; no target FLOPs are counted (there is no forward)
-        self.model.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
-        self.model.lm_head = nn.Parameter(lm_head, requires_grad=False)
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.lm_head.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.lm_head.dtype
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.lm_head
-
-    @torch.no_grad()
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(ids)
-
-    def capture(self, *args, **kwargs):
-        raise RuntimeError("offline training reads the features (FeatureStore.batch); there is no target to run")
