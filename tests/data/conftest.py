@@ -239,3 +239,34 @@ def s3(moto_server, no_aws, monkeypatch):
     bucket = f"fd-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=bucket)
     yield client, bucket, moto_server
+
+
+# ---- checksummed files to damage (test_checksums.py, test_verify.py)
+
+
+def flip(path, offset: int) -> None:
+    """Flip one bit of the byte at `offset` of file `path` (negative: from the end), as rot on a disk would."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def make_shards():
+    """make_shards(out, n) -> (out, samples): n samples of 1-39 tokens written by the real ShardWriter."""
+    from flashdraft.data import Sample, ShardWriter
+
+    def make(out, n: int = 600, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        samples = []
+        with ShardWriter(out) as writer:
+            for _ in range(n):
+                length = int(rng.integers(1, 40))
+                samples.append(
+                    Sample(rng.integers(0, 300, length).astype(np.int32), (rng.random(length) < 0.5).astype(np.uint8))
+                )
+                writer.add(samples[-1])
+            writer.commit({"content_hash": f"test-{n}-{seed}"})
+        return out, samples
+
+    return make
