@@ -1,9 +1,10 @@
 """Checksums of data files, checked when a record is first read: a byte damaged on disk stops the run with the file
 and the records it holds, before they reach a loss.
 
-Shards (shards.py) keep one CRC-32 per chunk of RECORDS_PER_CHUNK samples of each of their files in meta.json.
-CRC-32 (zlib, in the standard library) runs at about 2 GB/s on one core and detects every burst of up to 32 flipped
-bits, so any one damaged byte; it guards against rot, not against someone forging the files.
+Shards (shards.py) keep one CRC-32 per chunk of RECORDS_PER_CHUNK samples of each of their files in meta.json;
+offline features (features.py) one per sample, one per safetensors header, and one per whole small file in
+features.json. CRC-32 (zlib, in the standard library) runs at about 2 GB/s on one core and detects every burst of
+up to 32 flipped bits, so any one damaged byte; it guards against rot, not against someone forging the files.
 
 Files written before checksums existed are read as before, with one warning per directory and process that they
 cannot be verified.

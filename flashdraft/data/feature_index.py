@@ -1,17 +1,24 @@
 """The index of an offline features directory (features.json; see features.py), checked field by field when read:
 every message names the file and the field.
+
+Format 2 adds the checksums: a CRC-32 of every sample's bytes, of every safetensors file's header and of the target's
+head and config (checksums.py). Format 1, written before checksums, is still read, with a warning that it cannot be
+verified.
 """
 
 from __future__ import annotations
 
 import json
 
+from flashdraft.data import checksums
 from flashdraft.data.errors import DataError
 
-FORMAT = "flashdraft-features/1"
+FORMAT = "flashdraft-features/2"
+OLD_FORMAT = "flashdraft-features/1"  # no checksums
 INDEX = "features.json"
 HEAD = "head.safetensors"
 CONFIG = "config.json"
+RECAPTURE = "run `flashdraft features` again"
 
 
 # field -> (check, what it must be)
@@ -57,7 +64,7 @@ def read_index(fs, root: str, url: str) -> dict:
         ) from None
     if not isinstance(index, dict):
         raise bad(f"expected a JSON object, got {type(index).__name__}")
-    if index.get("format") != FORMAT:
+    if index.get("format") not in (OLD_FORMAT, FORMAT):
         raise bad(
             f"format {index.get('format')!r}, not {FORMAT}: capture the features again with this version", "format"
         )
@@ -73,4 +80,22 @@ def read_index(fs, root: str, url: str) -> dict:
     unknown = sorted(set(index["samples"]) - set(index["files"]))
     if unknown:
         raise bad(f"names {unknown[0]}, which is not among the index's files", "samples")
+    if index["format"] == OLD_FORMAT:
+        checksums.warn_unverified(url, f"to add them, {RECAPTURE}")
+        index["checksums"] = None
+    else:
+        sums = checksums.read_sums(index.get("checksums"), index["num_samples"], ("samples",), (), where, RECAPTURE)
+        headers, whole = sums.get("headers"), sums.get("files")  # of each part's header; of the head and config
+        if not (
+            sums["records_per_chunk"] == 1  # a sample is read whole, so it is checked whole
+            and isinstance(headers, dict)
+            and all(checksums.is_crc(headers.get(name)) for name in index["files"])
+            and isinstance(whole, dict)
+            and all(checksums.is_crc(whole.get(name)) for name in (HEAD, CONFIG))
+        ):
+            raise bad(
+                f"expected a {checksums.ALGORITHM} of every sample, part header, {HEAD} and {CONFIG}, missing or "
+                f"garbled: the file is damaged; {RECAPTURE}",
+                "checksums",
+            )
     return index

@@ -270,3 +270,48 @@ def make_shards():
         return out, samples
 
     return make
+
+
+class FakeTarget:
+    """What `write_features` reads of a target, with features that are a function of the tokens: no model runs."""
+
+    def __init__(self, layers=(1, 2, 3, 4, 5), hidden: int = 4, vocab: int = 300):
+        import torch
+
+        self.target_layer_ids, self.hidden_size, self.final_hidden = list(layers), hidden, False
+        self.dtype, self.device, self.name_or_path = torch.bfloat16, torch.device("cpu"), "fake-target"
+        self.lm_head_weight = torch.arange(vocab * hidden, dtype=torch.bfloat16).view(vocab, hidden)
+        embed = torch.nn.Embedding(vocab, hidden)
+        self.model = type("Model", (), {"get_input_embeddings": lambda _: embed})()
+        config = {"model_type": "qwen3", "hidden_size": hidden, "num_hidden_layers": 8, "vocab_size": vocab}
+        self.config = type("Config", (), {"to_json_string": lambda _: json.dumps(config)})()
+
+    def capture(self, x, mask):
+        import torch
+
+        width = len(self.target_layer_ids) * self.hidden_size
+        return (x[..., None].float() + torch.arange(width) / width).to(self.dtype)
+
+
+@pytest.fixture
+def make_features(make_shards):
+    """make_features(root) -> (FeatureStore url, TokenizedDataset): the features of 6 samples, written by the real
+    `write_features` from a FakeTarget, and the shards they were captured from."""
+    from flashdraft.data import TokenizedDataset
+    from flashdraft.data.features import write_features
+
+    def make(root, n: int = 6):
+        data = TokenizedDataset(make_shards(root / "shards", n)[0])
+        write_features(FakeTarget(), data, str(root / "features"))
+        return str(root / "features"), data
+
+    return make
+
+
+def sample_offset(part, index: int) -> int:
+    """Where the bytes of sample `index` begin in safetensors file `part`."""
+    import struct
+
+    raw = part.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return 8 + n + json.loads(raw[8 : 8 + n])[str(index)]["data_offsets"][0]

@@ -1,6 +1,6 @@
-"""Data that rots: a byte damaged on disk in a shard file is found the first time its records are read, named with
-the file and the records, before any batch holding them is returned; undamaged data reads back as written; files
-written before checksums existed are read with one warning."""
+"""Data that rots: a byte damaged on disk in a shard file or an offline features file is found the first time its
+records are read, named with the file and the records, before any batch holding them is returned; undamaged data
+reads back as written; files written before checksums existed are read with one warning."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ import pytest
 
 from flashdraft.config import load_config
 from flashdraft.data import DataError, PrepareConfig, TokenizedDataset, checksums, prepare_shards
+from flashdraft.data.features import FeatureStore
 from flashdraft.data.shards import INDEX, INPUT_IDS, LOSS_MASK, META
 from flashdraft.train.dataloader import DataLoader
-from tests.data.conftest import flip
+from tests.data.conftest import flip, sample_offset
+
+PART = "part-00000-00000.safetensors"
 
 
 def _index_header_bytes(out) -> int:
@@ -115,3 +118,44 @@ def test_garbled_checksums_in_meta_are_refused(tmp_path, make_shards):
     (out / META).write_text(json.dumps(meta))
     with pytest.raises(DataError, match=rf"{out / META}: field 'checksums': expected a crc32 per chunk"):
         TokenizedDataset(out)
+
+
+# ---- offline features
+
+
+def test_a_flipped_byte_in_a_features_file_is_found_on_read_naming_the_file_and_record(tmp_path, make_features):
+    url, data = make_features(tmp_path)
+    before = [FeatureStore(url).sample(i) for i in range(len(data))]
+    flip(tmp_path / "features" / PART, sample_offset(tmp_path / "features" / PART, 3) + 5)
+    store = FeatureStore(url)
+    assert all(store.sample(i).equal(before[i]) for i in (0, 1, 2, 4, 5))  # the others read as before
+    with pytest.raises(DataError, match=rf"{url}/{PART}: record 3 fails its checksum \(stored [0-9a-f]{{8}}, read"):
+        store.sample(3)
+    with pytest.raises(DataError, match="record 3 fails its checksum"):
+        store.batch([2, 3], 8)  # no batch holding it
+
+
+@pytest.mark.parametrize("damaged", ["header", "head.safetensors", "config.json"])
+def test_a_damaged_features_header_head_or_config_is_named(tmp_path, make_features, damaged):
+    url, _ = make_features(tmp_path)
+    if damaged == "header":
+        flip(tmp_path / "features" / PART, 20)
+        store = FeatureStore(url)
+        with pytest.raises(DataError, match=rf"{url}/{PART}: the header \(of records 0, 1, 2, 3, …\) fails its"):
+            store.sample(4)
+    else:
+        flip(tmp_path / "features" / damaged, -3)
+        with pytest.raises(DataError, match=rf"{url}/{damaged}: the file fails its checksum"):
+            FeatureStore(url).file(damaged)
+
+
+def test_features_without_checksums_are_read_with_one_warning(tmp_path, make_features, caplog):
+    url, _ = make_features(tmp_path)
+    index = json.loads((tmp_path / "features" / "features.json").read_text())
+    del index["checksums"]
+    (tmp_path / "features" / "features.json").write_text(json.dumps({**index, "format": "flashdraft-features/1"}))
+    with caplog.at_level(logging.WARNING, logger="flashdraft.data.checksums"):
+        stores = FeatureStore(url), FeatureStore(url)
+    warned = [r.getMessage() for r in caplog.records if "without checksums" in r.getMessage()]
+    assert len(warned) == 1 and url in warned[0] and "flashdraft features" in warned[0]
+    assert stores[1].sample(3).equal(stores[0].sample(3))
