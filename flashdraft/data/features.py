@@ -347,7 +347,8 @@ class FeatureStore:
             stored, read = (self.sums or {}).get("headers", {}).get(name), checksums.crc(raw)
             if stored is not None and read != stored:
                 held = self.records_of(name)
-                what = f"the header (of records {', '.join(map(str, held[:4]))}{', …' if len(held) > 4 else ''})"
+                listed = ", ".join(map(str, held[:4])) + (", …" if len(held) > 4 else "")
+                what = f"the header (of record{'s' if len(held) > 1 else ''} {listed})"
                 raise checksums.mismatch(self.where(name), what, stored, read, RECAPTURE)
             try:
                 self._headers[name] = (8 + n, json.loads(raw[8:]))

@@ -199,7 +199,7 @@ class TokenizedDataset:
             size = (self.path / name).stat().st_size
             if size != n_tokens * itemsize:
                 raise DataError(
-                    f"{name} holds {size} bytes, the index needs {n_tokens * itemsize}: the shards are "
+                    f"{name} holds {size} bytes, not the {n_tokens * itemsize} of {n_tokens} tokens: the shards are "
                     f"damaged; {REBUILD}",
                     source=str(self.path),
                     skippable=False,

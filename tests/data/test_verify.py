@@ -43,7 +43,7 @@ def test_verify_features_names_the_damaged_record_and_header(tmp_path, make_feat
     code, text = _verify(url, capsys)
     assert code == 1
     assert f"{third}: record 3 fails its checksum" in text
-    assert f"{fifth}: the header (of records 5) fails its checksum" in text
+    assert f"{fifth}: the header (of record 5) fails its checksum" in text
 
 
 def test_verify_without_checksums_fails_and_says_so(tmp_path, make_shards, capsys):
