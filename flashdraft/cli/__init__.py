@@ -9,15 +9,16 @@ every field of every section.
     flashdraft features [--config YAML] [--out DIR|s3://...] [--nproc N] [section.field=value ...]
     flashdraft doctor [--json] [--model tiny-family|config.json|model-dir]
     flashdraft prepare --data PATH|GLOB|s3://... --tokenizer DIR --out DIR     (or data.* in --config)
+    flashdraft prepare --verify DIR|s3://...                                   (checksums of shards or features)
     flashdraft regenerate --target DIR --data IN.jsonl --out OUT.jsonl
     flashdraft eval [--drafter RUN_DIR | --target T --drafter D --prompts FILE.jsonl]
     flashdraft export --drafter D|RUN_DIR --out DIR [--target T]
     flashdraft bench train-step [--config YAML] [--seq N] [section.field=value ...]
 
-Exit codes: 0 success; 1 a check failed (e.g. doctor: fast path incomplete); 2 bad input or usage
-(the message names the file, line or field); 3 an unexpected internal error; 4 the output cannot be written (another
-run holds the output directory, or the disk, a quota or a file-size limit is full: the message names the path). A
-traceback is printed only with --debug.
+Exit codes: 0 success; 1 a check failed (e.g. doctor: fast path incomplete; prepare --verify: damaged data); 2 bad
+input or usage (the message names the file, line or field); 3 an unexpected internal error; 4 the output cannot be
+written (another run holds the output directory, or the disk, a quota or a file-size limit is full: the message
+names the path). A traceback is printed only with --debug.
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """`flashdraft prepare`: the data section of the config (what to tokenise, with which tokenizer, into which shard
 directory, how) and the prepare section, as a `PrepareConfig` for flashdraft.data.prepare.prepare_shards (which
-says what the command does). With a training run's --config it writes the shards that run reads (data.shards)."""
+says what the command does). With a training run's --config it writes the shards that run reads (data.shards).
+`--verify DIR` checks the checksums of shards or offline features instead (flashdraft.data.verify)."""
 
 from __future__ import annotations
 
+import functools
+
 from flashdraft import bundled
 from flashdraft.cli import options
-from flashdraft.cli.exit_codes import EXIT_OK
+from flashdraft.cli.exit_codes import EXIT_CHECK_FAILED, EXIT_OK
 from flashdraft.cli.options import Shortcut
 
 SHORTCUTS = (
@@ -20,6 +23,7 @@ SHORTCUTS = (
     Shortcut("s3.attempts", flag="--s3-attempts", metavar="N"),
     *options.shortcuts("prepare.force", "prepare.workers"),
     Shortcut("prepare.progress", negate=True),
+    Shortcut("prepare.verify", metavar="DIR"),
 )
 
 
@@ -50,6 +54,8 @@ def execute(cfg, args) -> int:
     from flashdraft.data.formats import FormatConfig
     from flashdraft.data.prepare import PrepareConfig, prepare_shards
 
+    if cfg.prepare.verify:
+        return verify(cfg)
     tokenizer = tokenizer_of(cfg)
     # User data is never tokenised with the bundled tokenizer by default: a tokenizer (or target) is named.
     options.require(args, cfg, *(["data.tokenizer"] if tokenizer is None else []), "data.shards")
@@ -86,3 +92,19 @@ def execute(cfg, args) -> int:
     out.print(report.table())
     out.print(f"shards: {result.path}")
     return EXIT_OK
+
+
+def verify(cfg) -> int:
+    """The scan of `prepare.verify`, with a progress bar: exit 0 when everything verifies, 1 otherwise."""
+    from rich import progress as rp
+    from rich.console import Console
+
+    from flashdraft.data.verify import report, scan
+
+    err = Console(stderr=True)
+    columns = (rp.TextColumn("[bold]verifying"), rp.BarColumn(), rp.MofNCompleteColumn(), rp.TimeRemainingColumn())
+    with rp.Progress(*columns, console=err, disable=not cfg.prepare.progress, transient=True) as bar:
+        task = bar.add_task("verify", total=None)
+        result = scan(cfg.prepare.verify, s3=cfg.s3, progress=functools.partial(bar.update, task))
+    report(result, Console())
+    return EXIT_OK if result.ok else EXIT_CHECK_FAILED

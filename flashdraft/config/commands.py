@@ -129,6 +129,9 @@ class PrepareCommand:
     at most 8."""
     progress: bool = True
     """Show a progress bar."""
+    verify: str | None = None
+    """Instead of preparing: check every checksum of this shard directory, or offline features directory (local or
+    s3://), and name each damaged file and record range; exit 1 when any is damaged or has no checksums."""
 
 
 @dataclass(kw_only=True)

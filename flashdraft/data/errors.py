@@ -31,6 +31,7 @@ REASONS = {
     "template_error": "chat template failed",
     "empty_file": "empty file",
     "unreadable_file": "unreadable file",
+    "damaged_file": "damaged file (fails its checksum)",
 }
 
 _MAX_EXAMPLES = 3  # locations kept per skip reason, for the report

@@ -8,7 +8,8 @@ running the target (the target is then never loaded: its config, embedding and L
 A features directory (local, or any fsspec URL such as s3://; S3 endpoint from AWS_ENDPOINT_URL):
 
     features.json                 the index, written last (it is the commit): target, captured layers, hidden size,
-                                  dtype, content hash of the tokenised data, and the file of every sample
+                                  dtype, content hash of the tokenised data, the file of every sample, and the
+                                  checksums of the samples, part headers, head and config
     config.json                   the target's full text config (what the drafter is built from)
     head.safetensors              the target's input embedding and LM head
     part-RRRRR-KKKKK.safetensors  rank R's K-th shard: tensor "<sample index>" = (T, n * D) hidden states of the
@@ -25,7 +26,8 @@ move the last bits). Reading fetches one sample's bytes with a ranged read; noth
 Writing a local directory holds its lock (flashdraft.io.lock; rank 0 under torchrun), removes an old index first and
 writes each file under a temporary name: a run that is cut off or runs out of room (StorageFull, naming the path and
 the space needed) leaves no features.json, so `train` refuses the directory rather than reading half of it. The index
-is checked field by field when read; every message names the file.
+is checked field by field when read (feature_index.py), each sample, part header, head and config against its
+CRC-32 the first time this process reads it (checksums.py); every message names the file, and the records.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ import struct
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
+from flashdraft.data import checksums
 from flashdraft.data.errors import DataError
+from flashdraft.data.feature_index import CONFIG, FORMAT, HEAD, INDEX, RECAPTURE, read_index
+from flashdraft.data.head_target import HeadTarget
 from flashdraft.distributed import ranks
 from flashdraft.io import lock
 from flashdraft.io.atomic import atomic_write_bytes
@@ -49,11 +53,8 @@ from flashdraft.io.space import room_for
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "flashdraft-features/1"
-INDEX = "features.json"
-HEAD = "head.safetensors"
-CONFIG = "config.json"
 SHARD_BYTES = 1 << 30
+_MAX_HEADER = 100_000_000  # safetensors' own limit on a header: a longer one is a damaged length
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
@@ -82,6 +83,12 @@ def _put(fs, path: str, data: bytes) -> None:
         atomic_write_bytes(path, data, tmp=f"{path}.tmp-{os.getpid()}")
     else:
         fs.pipe_file(path, data)
+
+
+def _parse_header(blob: bytes) -> tuple[int, dict]:
+    """(offset of the data, header) of a safetensors file's bytes."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    return 8 + n, json.loads(blob[8 : 8 + n])
 
 
 # ---- writing ------------------------------------------------------------------------------------------------------
@@ -134,6 +141,7 @@ def _capture(target, data, out: str, fs, root: str, here, sharded: bool, target_
 
     device = target.device
     files: dict[str, list[int]] = {}
+    sums: dict = {"headers": {}, "samples": {}}  # this rank's checksums, of the bytes as written
     buffer: dict[str, torch.Tensor] = {}
     size = total_bytes = 0
 
@@ -143,6 +151,11 @@ def _capture(target, data, out: str, fs, root: str, here, sharded: bool, target_
             return
         name = f"part-{here.rank:05d}-{len(files):05d}.safetensors"
         blob = save(buffer)
+        start, header = _parse_header(blob)
+        sums["headers"][name] = checksums.crc(memoryview(blob)[:start])
+        for key in buffer:
+            begin, end = header[key]["data_offsets"]
+            sums["samples"][int(key)] = checksums.crc(memoryview(blob)[start + begin : start + end])
         _put(fs, f"{root}/{name}", blob)
         files[name] = [int(k) for k in buffer]
         total_bytes += len(blob)
@@ -170,12 +183,13 @@ def _capture(target, data, out: str, fs, root: str, here, sharded: bool, target_
         if here.is_main and (k + 1) % max(1, rounds // 10) == 0:
             logger.info("features: %d / %d samples", min(len(data), (k + 1) * here.size), len(data))
     flush()
-    everyone = [files]
+    everyone, all_sums = [files], [sums]
     if here.size > 1:
         import torch.distributed as dist
 
-        everyone = [None] * here.size
+        everyone, all_sums = [None] * here.size, [None] * here.size
         dist.all_gather_object(everyone, files)
+        dist.all_gather_object(all_sums, sums)
         sizes = [None] * here.size
         dist.all_gather_object(sizes, total_bytes)
         total_bytes = sum(sizes)
@@ -185,8 +199,10 @@ def _capture(target, data, out: str, fs, root: str, here, sharded: bool, target_
             "embed": target.model.get_input_embeddings().weight.detach().cpu().clone(),
             "lm_head": target.lm_head_weight.detach().cpu().clone(),
         }
-        _put(fs, f"{root}/{HEAD}", save(head))
-        _put(fs, f"{root}/{CONFIG}", target.config.to_json_string().encode())
+        head, config = save(head), target.config.to_json_string().encode()
+        _put(fs, f"{root}/{HEAD}", head)
+        _put(fs, f"{root}/{CONFIG}", config)
+        crcs = {i: c for part in all_sums for i, c in part["samples"].items()}
         index = {
             "format": FORMAT,
             "target": str(target.name_or_path or target_path),
@@ -198,6 +214,15 @@ def _capture(target, data, out: str, fs, root: str, here, sharded: bool, target_
             "num_samples": len(data),
             "files": sorted({name for part in everyone for name in part}),
             "samples": [samples[i] for i in range(len(data))],
+            "checksums": {
+                "algorithm": checksums.ALGORITHM,
+                # one per sample: a sample is read whole (tens of MB: its positions x captured layers x hidden size
+                # x 2 bytes), so checking it reads nothing more and hashing costs a fraction of reading it
+                "records_per_chunk": 1,
+                "samples": [crcs[i] for i in range(len(data))],
+                "headers": {name: c for part in all_sums for name, c in part["headers"].items()},
+                "files": {HEAD: checksums.crc(head), CONFIG: checksums.crc(config)},
+            },
         }
         _put(fs, f"{root}/{INDEX}", json.dumps(index).encode())
     ranks.barrier()
@@ -218,10 +243,12 @@ class FeatureStore:
 
         self.fs, self.root = _fs(url, s3)
         self.attempts = (s3 or S3Config()).attempts
-        self.index = _read_index(self.fs, self.root, url)
+        self.index = read_index(self.fs, self.root, url)
+        self.sums = self.index["checksums"]  # None: format 1, written without them
         self.final_hidden = bool(self.index.get("final_hidden", False))  # written before the field existed: no
         self.width = (len(self.index["target_layer_ids"]) + self.final_hidden) * int(self.index["hidden_size"])
         self._headers: dict[str, tuple[int, dict]] = {}
+        self._verified: set[int] = set()  # samples checked by this process
 
     def check_data(self, data) -> None:
         """Refuse features captured from other data (another tokenizer, max_length, source files...)."""
@@ -243,9 +270,10 @@ class FeatureStore:
                 f"drafter.target_layer_ids = {list(target_layer_ids)}, but the features in {self.url} "
                 f"hold layers {ids}: capture them again or drop the override"
             )
-        config = json.loads(self.fs.cat_file(f"{self.root}/{CONFIG}"))
+        config, head = self.file(CONFIG), self.file(HEAD)
+        config = json.loads(config)
         config = AutoConfig.for_model(config.pop("model_type"), **config)
-        head = load(self.fs.cat_file(f"{self.root}/{HEAD}"))
+        head = load(head)
         return HeadTarget(
             config, ids, head["embed"].to(self.device), head["lm_head"].to(self.device), name=self.index["target"]
         )
@@ -253,10 +281,20 @@ class FeatureStore:
     def sample(self, index: int) -> torch.Tensor:
         """(T, n * D) features of sample `index`, on the CPU."""
         name = self.index["samples"][index]
-        start, header = self._header(name)
-        entry = header[str(index)]
+        start, header = self.header(name)
+        entry = header.get(str(index))
+        if entry is None:
+            raise DataError(
+                f"holds no sample {index}, which {INDEX} places there: the features are damaged; {RECAPTURE}",
+                source=self.where(name),
+                skippable=False,
+            )
         begin, end = entry["data_offsets"]
         raw = self._read(name, start + begin, start + end)
+        if self.sums is not None and index not in self._verified:
+            what = checksums.records_text(range(index, index + 1))
+            checksums.check(self.where(name), what, self.sums["samples"][index], raw, RECAPTURE)
+            self._verified.add(index)
         dtype = _DTYPES[entry["dtype"]]
         return torch.frombuffer(bytearray(raw), dtype=dtype).view(entry["shape"])
 
@@ -284,111 +322,46 @@ class FeatureStore:
         hidden = int(self.index["hidden_size"])
         return (out[..., :-hidden], out[..., -hidden:]) if final else out[..., :-hidden]
 
-    def _header(self, name: str) -> tuple[int, dict]:
-        """(offset of the data, header) of a safetensors file: an 8-byte little-endian length, then JSON."""
+    def where(self, name: str) -> str:
+        """The URL of file `name` of the store, as messages name it."""
+        return f"{self.url.rstrip('/')}/{name}"
+
+    def records_of(self, name: str) -> list[int]:
+        """The samples that file `name` holds."""
+        return [i for i, n in enumerate(self.index["samples"]) if n == name]
+
+    def file(self, name: str) -> bytes:
+        """The whole of file `name` (the head or the config), checked against its checksum."""
+        raw = self._read(name)
+        if self.sums is not None:
+            checksums.check(self.where(name), "the file", self.sums["files"][name], raw, RECAPTURE)
+        return raw
+
+    def header(self, name: str) -> tuple[int, dict]:
+        """(offset of the data, header) of a safetensors file: an 8-byte little-endian length, then JSON; checked
+        against its checksum before it is parsed."""
         if name not in self._headers:
-            (n,) = struct.unpack("<Q", self._read(name, 0, 8))
-            self._headers[name] = (8 + n, json.loads(self._read(name, 8, 8 + n)))
+            size = self._read(name, 0, 8)
+            (n,) = struct.unpack("<Q", size.ljust(8, b"\0"))
+            raw = size + self._read(name, 8, 8 + min(n, _MAX_HEADER))
+            stored, read = (self.sums or {}).get("headers", {}).get(name), checksums.crc(raw)
+            if stored is not None and read != stored:
+                held = self.records_of(name)
+                listed = ", ".join(map(str, held[:4])) + (", …" if len(held) > 4 else "")
+                what = f"the header (of record{'s' if len(held) > 1 else ''} {listed})"
+                raise checksums.mismatch(self.where(name), what, stored, read, RECAPTURE)
+            try:
+                self._headers[name] = (8 + n, json.loads(raw[8:]))
+            except ValueError:  # format 1, which has no checksum to say so first
+                raise DataError(
+                    f"not a safetensors header: the file is damaged; {RECAPTURE}", source=self.where(name)
+                ) from None
         return self._headers[name]
 
-    def _read(self, name: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of a file, read again when an object store cuts the transfer off."""
+    def _read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes [start, end) of a file (all of it by default), read again when an object store cuts the transfer
+        off."""
         from flashdraft.data.remote import read_again_if_cut_off
 
         path = f"{self.root}/{name}"
         return read_again_if_cut_off(lambda: self.fs.cat_file(path, start=start, end=end), self.attempts, path)
-
-
-# field -> (check, what it must be)
-_INDEX_FIELDS = {
-    "target_layer_ids": (
-        lambda v: isinstance(v, list) and v and all(type(i) is int and i >= 0 for i in v),
-        "a non-empty list of layer indices",
-    ),
-    "hidden_size": (lambda v: type(v) is int and v > 0, "a positive integer"),
-    "dtype": (lambda v: v in ("bfloat16", "float16", "float32", "float64"), "bfloat16, float16, float32 or float64"),
-    "data_hash": (lambda v: isinstance(v, str) and v, "the content hash of the tokenised data"),
-    "num_samples": (lambda v: type(v) is int and v >= 0, "a sample count"),
-    "files": (
-        lambda v: isinstance(v, list) and all(isinstance(n, str) and "/" not in n for n in v),
-        "a list of file names in the directory",
-    ),
-    "samples": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of file names"),
-}
-
-
-def _read_index(fs, root: str, url: str) -> dict:
-    """features.json, checked field by field; DataError naming the file and the field."""
-    where = f"{url.rstrip('/')}/{INDEX}"
-    try:
-        raw = fs.cat_file(f"{root}/{INDEX}")
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"data.features = {url}: no {INDEX} there (run `flashdraft features --out "
-            f"{url}` first; the index is written last, so a cut-off run has none)"
-        ) from None
-
-    def bad(what: str, field: str | None = None) -> DataError:
-        return DataError(what, reason="unreadable_file", source=where, field=field, skippable=False)
-
-    try:
-        index = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise bad(f"not valid UTF-8 (byte {exc.start}): the file is damaged; run `flashdraft features` again") from None
-    except json.JSONDecodeError as exc:
-        raise bad(
-            f"not valid JSON ({exc.msg}, line {exc.lineno} column {exc.colno}): the file is damaged; run "
-            "`flashdraft features` again"
-        ) from None
-    if not isinstance(index, dict):
-        raise bad(f"expected a JSON object, got {type(index).__name__}")
-    if index.get("format") != FORMAT:
-        raise bad(
-            f"format {index.get('format')!r}, not {FORMAT}: capture the features again with this version", "format"
-        )
-    if not isinstance(index.get("final_hidden", False), bool):  # absent in indices written before it existed
-        raise bad(f"expected true or false, got {index['final_hidden']!r:.80}", "final_hidden")
-    for field, (ok, expected) in _INDEX_FIELDS.items():
-        if field not in index:
-            raise bad("missing", field)
-        if not ok(index[field]):
-            raise bad(f"expected {expected}, got {index[field]!r:.80}", field)
-    if len(index["samples"]) != index["num_samples"]:
-        raise bad(f"{len(index['samples'])} entries for num_samples = {index['num_samples']}", "samples")
-    unknown = sorted(set(index["samples"]) - set(index["files"]))
-    if unknown:
-        raise bad(f"names {unknown[0]}, which is not among the index's files", "samples")
-    return index
-
-
-class HeadTarget:
-    """The target as offline training needs it: config, captured layer ids, embedding and LM head; no layers."""
-
-    def __init__(self, config, target_layer_ids: list[int], embed: torch.Tensor, lm_head: torch.Tensor, name=None):
-        self.config = config
-        self.target_layer_ids = list(target_layer_ids)
-        self.num_target_layers = int(config.num_hidden_layers)
-        self.hidden_size = int(config.hidden_size)
-        self.name_or_path = name
-        self.model = nn.Module()  # holds the two weights; no target FLOPs are counted (there is no forward)
-        self.model.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
-        self.model.lm_head = nn.Parameter(lm_head, requires_grad=False)
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.lm_head.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.lm_head.dtype
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.lm_head
-
-    @torch.no_grad()
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(ids)
-
-    def capture(self, *args, **kwargs):
-        raise RuntimeError("offline training reads the features (FeatureStore.batch); there is no target to run")

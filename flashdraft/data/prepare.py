@@ -34,7 +34,7 @@ from flashdraft.config import S3Config
 from flashdraft.data.encoder import Encoder, Sample
 from flashdraft.data.errors import DataError, DataReport, redact
 from flashdraft.data.formats import FormatConfig
-from flashdraft.data.shards import FORMAT_VERSION, ShardWriter, read_meta
+from flashdraft.data.shards import LAYOUT_VERSION, ShardWriter, read_meta
 from flashdraft.data.sources import SourceFile, iter_records, resolve_sources
 from flashdraft.io import lock
 from flashdraft.io.atomic import leftovers_beside, remove_leftovers_beside
@@ -139,7 +139,7 @@ def input_hashes(files: list[SourceFile], tokenizer_hash: str, cfg: PrepareConfi
     parts = {
         "sources": digest([_endpoint(cfg), [[f.url, f.kind, f.fingerprint] for f in files]]),
         "tokenizer": tokenizer_hash,
-        "options": digest([FORMAT_VERSION, cfg.format.as_dict(), cfg.max_length, cfg.overlong]),
+        "options": digest([LAYOUT_VERSION, cfg.format.as_dict(), cfg.max_length, cfg.overlong]),
     }
     return {**parts, "content": digest(parts)}
 

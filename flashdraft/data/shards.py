@@ -4,7 +4,13 @@ A shard directory holds
     input_ids.bin   int32, all samples' token ids concatenated
     loss_mask.bin   uint8, their loss masks (1 = response token), same layout
     index.npy       int64 [N, 2]: (offset, length) of each sample, in tokens
-    meta.json       format_version, counts, and whatever the writer adds (tokenizer, options, content hash)
+    meta.json       format_version, counts, the checksums, and whatever the writer adds (tokenizer, options,
+                    content hash)
+
+Format 2 keeps a CRC-32 of every chunk of 256 samples of each file (and of index.npy's header) in meta.json; a
+sample is returned only once its chunk has been checked (once per process: see checksums.py), and a damaged chunk is
+a DataError naming the file and the records. Format 1 (before checksums; the same token files, so the same content
+hash) is still read, with a warning that it cannot be verified.
 
     ds = TokenizedDataset("shards/qwen3.5")       # cheap: maps the files, reads nothing
     for i in ds.epoch_order(epoch, seed, rank, world_size):
@@ -27,11 +33,18 @@ from typing import Any
 
 import numpy as np
 
+from flashdraft.data import checksums
+from flashdraft.data.checksums import RECORDS_PER_CHUNK, crc
 from flashdraft.data.encoder import Sample
 from flashdraft.data.errors import DataError
 from flashdraft.io.atomic import fsync_dir, fsync_file, replace_directory, temporary_directory_beside
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# The layout of the token, mask and index files, which the content hash covers (flashdraft.data.prepare): format 2
+# only added checksums to meta.json, so the shards of format 1, and the features captured from them, stay valid.
+LAYOUT_VERSION = 1
+READABLE = (1, FORMAT_VERSION)
+REBUILD = "rebuild the shards with `flashdraft prepare --force` (or remove them: `train` tokenises again)"
 INPUT_IDS, LOSS_MASK, INDEX, META = "input_ids.bin", "loss_mask.bin", "index.npy", "meta.json"
 TAILS = ("drop", "pad")
 
@@ -50,6 +63,7 @@ class ShardWriter:
         self._ids = open(self.tmp / INPUT_IDS, "wb")
         self._mask = open(self.tmp / LOSS_MASK, "wb")
         self._offsets, self._lengths = array("q"), array("q")
+        self._crcs: dict[str, list[int]] = {"input_ids": [], "loss_mask": []}  # per chunk, the last one growing
         self.num_tokens = self.num_loss_tokens = 0
         self.committed = False
 
@@ -72,10 +86,15 @@ class ShardWriter:
         mask = np.ascontiguousarray(sample.loss_mask, dtype=np.uint8)
         if ids.shape != mask.shape or ids.ndim != 1:
             raise ValueError(f"input_ids {ids.shape} and loss_mask {mask.shape} must be 1-D and the same length")
+        if len(self) % RECORDS_PER_CHUNK == 0:
+            for sums in self._crcs.values():
+                sums.append(0)
         self._offsets.append(self.num_tokens)
         self._lengths.append(len(ids))
         self._ids.write(ids.tobytes())
         self._mask.write(mask.tobytes())
+        self._crcs["input_ids"][-1] = crc(ids, self._crcs["input_ids"][-1])
+        self._crcs["loss_mask"][-1] = crc(mask, self._crcs["loss_mask"][-1])
         self.num_tokens += len(ids)
         self.num_loss_tokens += int(mask.sum())
 
@@ -85,9 +104,20 @@ class ShardWriter:
             fsync_file(f)
             f.close()
         index = np.stack([np.frombuffer(self._offsets, np.int64), np.frombuffer(self._lengths, np.int64)], axis=1)
+        index = np.ascontiguousarray(index.reshape(-1, 2))
         with open(self.tmp / INDEX, "wb") as f:
-            np.save(f, index.reshape(-1, 2))
+            np.save(f, index)
             fsync_file(f)
+            header_bytes = f.tell() - index.nbytes
+        with open(self.tmp / INDEX, "rb") as f:
+            header = f.read(header_bytes)
+        sums = {
+            "algorithm": checksums.ALGORITHM,
+            "records_per_chunk": RECORDS_PER_CHUNK,
+            **self._crcs,
+            "index": [crc(index[i : i + RECORDS_PER_CHUNK]) for i in range(0, len(index), RECORDS_PER_CHUNK)],
+            "index_header": crc(header),
+        }
         meta = {
             **(meta or {}),
             "format_version": FORMAT_VERSION,
@@ -95,6 +125,7 @@ class ShardWriter:
             "num_tokens": self.num_tokens,
             "num_loss_tokens": self.num_loss_tokens,
             "files": {"input_ids": [INPUT_IDS, "int32"], "loss_mask": [LOSS_MASK, "uint8"], "index": INDEX},
+            "checksums": sums,
         }
         with open(self.tmp / META, "w") as f:
             f.write(json.dumps(meta, indent=2, sort_keys=True) + "\n")
@@ -129,6 +160,7 @@ class TokenizedDataset:
 
     `return_tensors="np"`: int32 / uint8 numpy arrays (read-only views of the map). `"pt"`: int64 / bool torch
     tensors (copies). Pickles without its maps (DataLoader workers re-open them), so it is cheap in every process.
+    A sample is returned only once the chunk holding it verifies (see the module docstring).
     """
 
     def __init__(self, path: str | os.PathLike, *, return_tensors: str = "np"):
@@ -143,38 +175,109 @@ class TokenizedDataset:
                 source=str(self.path),
                 skippable=False,
             )
-        if meta.get("format_version") != FORMAT_VERSION:
+        if meta.get("format_version") not in READABLE:
             raise DataError(
                 f"shard format version {meta.get('format_version')} is not {FORMAT_VERSION}: re-run "
                 "`flashdraft prepare --force`",
                 source=str(self.path),
                 skippable=False,
             )
-        self.meta = meta
-        self.index = np.load(self.path / INDEX, mmap_mode="r")
-        # offsets are cumulative, so the last row gives the total without reading the whole index
-        n_tokens = int(self.index[-1, 0] + self.index[-1, 1]) if len(self.index) else 0
+        self.meta, self.checksums = meta, None
+        if meta["format_version"] == 1:
+            checksums.warn_unverified(self.path, f"to add them, {REBUILD}")
+        else:
+            parts = ("input_ids", "loss_mask", "index")
+            self.checksums = checksums.read_sums(
+                meta.get("checksums"), meta.get("num_samples"), parts, ("index_header",), self.path / META, REBUILD
+            )
+        self._load_index()
+        if self.checksums is not None:  # the index is not read before its chunks verify
+            n_tokens = int(meta.get("num_tokens", -1))
+        else:  # offsets are cumulative, so the last row gives the total without reading the whole index
+            n_tokens = int(self.index[-1, 0] + self.index[-1, 1]) if len(self.index) else 0
         for name, itemsize in ((INPUT_IDS, 4), (LOSS_MASK, 1)):
             size = (self.path / name).stat().st_size
             if size != n_tokens * itemsize:
                 raise DataError(
-                    f"{name} holds {size} bytes, the index needs {n_tokens * itemsize}: the shards are "
-                    "damaged; re-run `flashdraft prepare --force`",
+                    f"{name} holds {size} bytes, not the {n_tokens * itemsize} of {n_tokens} tokens: the shards are "
+                    f"damaged; {REBUILD}",
                     source=str(self.path),
                     skippable=False,
                 )
         self._ids = self._mask = None
+        self._verified: set[int] = set()  # chunks checked by this process
+
+    @property
+    def per_chunk(self) -> int:
+        return self.checksums["records_per_chunk"] if self.checksums else RECORDS_PER_CHUNK
+
+    def _load_index(self) -> None:
+        """Map index.npy; with checksums, only once its header (which gives shape and dtype) verifies."""
+        path, rows = self.path / INDEX, self.meta.get("num_samples")
+
+        def damaged(what: str) -> DataError:
+            return DataError(f"{what}: the file is damaged; {REBUILD}", source=str(path), skippable=False)
+
+        if self.checksums is not None:
+            size = path.stat().st_size
+            if size < rows * 16:
+                raise damaged(f"holds {size} bytes, too few for {rows} samples")
+            with open(path, "rb") as f:
+                checksums.check(path, "the header", self.checksums["index_header"], f.read(size - rows * 16), REBUILD)
+        try:
+            self.index = np.load(path, mmap_mode="r")
+        except (ValueError, OSError, SyntaxError) as exc:  # format 1 has no checksum of the header
+            raise damaged(f"not a readable index ({exc})") from None
+        if self.index.shape != (rows, 2) or self.index.dtype != np.int64:
+            raise damaged(f"holds {self.index.dtype} {self.index.shape}, not int64 ({rows}, 2)")
 
     def _open(self) -> None:
         self._ids = np.memmap(self.path / INPUT_IDS, dtype=np.int32, mode="r")
         self._mask = np.memmap(self.path / LOSS_MASK, dtype=np.uint8, mode="r")
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "index": None, "_ids": None, "_mask": None}
+        return {**self.__dict__, "index": None, "_ids": None, "_mask": None, "_verified": set()}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.index = np.load(self.path / INDEX, mmap_mode="r")
+        self._load_index()
+
+    def _check_index(self, chunk: int) -> None:
+        records = checksums.chunk_records(chunk, len(self), self.per_chunk)
+        sums, rows = self.checksums["index"], self.index[records.start : records.stop]
+        checksums.check(self.path / INDEX, checksums.records_text(records), sums[chunk], rows, REBUILD)
+
+    def damage(self, chunk: int) -> list[DataError]:
+        """The errors of the files of `chunk` that fail their checksums (the index's alone, when it does: the others'
+        bytes are found through it); [] when the chunk verifies or the shards carry no checksums."""
+        if self.checksums is None:
+            return []
+        try:
+            self._check_index(chunk)
+        except DataError as exc:
+            return [exc]
+        if self._ids is None:
+            self._open()
+        records = checksums.chunk_records(chunk, len(self), self.per_chunk)
+        start = int(self.index[records.start, 0])
+        end = int(self.index[records[-1], 0] + self.index[records[-1], 1])
+        errors = []
+        for name, data, key in ((INPUT_IDS, self._ids, "input_ids"), (LOSS_MASK, self._mask, "loss_mask")):
+            stored, read = self.checksums[key][chunk], crc(data[start:end])
+            if read != stored:
+                errors.append(
+                    checksums.mismatch(self.path / name, checksums.records_text(records), stored, read, REBUILD)
+                )
+        return errors
+
+    def verify(self, chunk: int) -> None:
+        """Check `chunk` (the first time only, in this process); a DataError naming the file and the records."""
+        if chunk in self._verified:
+            return
+        errors = self.damage(chunk)
+        if errors:
+            raise errors[0]
+        self._verified.add(chunk)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -195,6 +298,9 @@ class TokenizedDataset:
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"sample {i} out of range for {n} samples")
+        i = i + n if i < 0 else i
+        if self.checksums is not None:
+            self.verify(i // self.per_chunk)
         if self._ids is None:
             self._open()
         offset, length = self.index[i]

@@ -239,3 +239,79 @@ def s3(moto_server, no_aws, monkeypatch):
     bucket = f"fd-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=bucket)
     yield client, bucket, moto_server
+
+
+# ---- checksummed files to damage (test_checksums.py, test_verify.py)
+
+
+def flip(path, offset: int) -> None:
+    """Flip one bit of the byte at `offset` of file `path` (negative: from the end), as rot on a disk would."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def make_shards():
+    """make_shards(out, n) -> (out, samples): n samples of 1-39 tokens written by the real ShardWriter."""
+    from flashdraft.data import Sample, ShardWriter
+
+    def make(out, n: int = 600, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        samples = []
+        with ShardWriter(out) as writer:
+            for _ in range(n):
+                length = int(rng.integers(1, 40))
+                samples.append(
+                    Sample(rng.integers(0, 300, length).astype(np.int32), (rng.random(length) < 0.5).astype(np.uint8))
+                )
+                writer.add(samples[-1])
+            writer.commit({"content_hash": f"test-{n}-{seed}"})
+        return out, samples
+
+    return make
+
+
+class FakeTarget:
+    """What `write_features` reads of a target, with features that are a function of the tokens: no model runs."""
+
+    def __init__(self, layers=(1, 2, 3, 4, 5), hidden: int = 4, vocab: int = 300):
+        import torch
+
+        self.target_layer_ids, self.hidden_size, self.final_hidden = list(layers), hidden, False
+        self.dtype, self.device, self.name_or_path = torch.bfloat16, torch.device("cpu"), "fake-target"
+        self.lm_head_weight = torch.arange(vocab * hidden, dtype=torch.bfloat16).view(vocab, hidden)
+        embed = torch.nn.Embedding(vocab, hidden)
+        self.model = type("Model", (), {"get_input_embeddings": lambda _: embed})()
+        config = {"model_type": "qwen3", "hidden_size": hidden, "num_hidden_layers": 8, "vocab_size": vocab}
+        self.config = type("Config", (), {"to_json_string": lambda _: json.dumps(config)})()
+
+    def capture(self, x, mask):
+        import torch
+
+        width = len(self.target_layer_ids) * self.hidden_size
+        return (x[..., None].float() + torch.arange(width) / width).to(self.dtype)
+
+
+@pytest.fixture
+def make_features(make_shards):
+    """make_features(root) -> (FeatureStore url, TokenizedDataset): the features of 6 samples, written by the real
+    `write_features` from a FakeTarget, and the shards they were captured from."""
+    from flashdraft.data import TokenizedDataset
+    from flashdraft.data.features import write_features
+
+    def make(root, n: int = 6):
+        data = TokenizedDataset(make_shards(root / "shards", n)[0])
+        write_features(FakeTarget(), data, str(root / "features"))
+        return str(root / "features"), data
+
+    return make
+
+
+def sample_offset(part, index: int) -> int:
+    """Where the bytes of sample `index` begin in safetensors file `part`."""
+    import struct
+
+    raw = part.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return 8 + n + json.loads(raw[8 : 8 + n])[str(index)]["data_offsets"][0]
