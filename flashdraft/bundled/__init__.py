@@ -20,7 +20,7 @@ from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent
 BUNDLED = "bundled"
-DEFAULT_RUN = Path("runs/default")  # where `flashdraft train` (no arguments) writes; `flashdraft eval` reads it
+DEFAULT_RUN = Path("runs/default")  # where `flashdraft train` (no arguments) writes
 
 
 def tokenizer_dir() -> Path:

@@ -60,23 +60,18 @@ def drafter_and_config(cfg, args):
     if drafter is None:
         if "target.path" in given:
             raise Refused(BOTH)
-        # The bundled default: its tiny trained target, the drafter `flashdraft train` wrote to runs/default (or,
-        # before any run, the drafter shipped with it), its held-out prompts.
+        # The bundled default: its tiny trained target, the drafter shipped with it (what every run of the bundled
+        # default is measured against), its held-out prompts.
         try:
-            run = options.training_run(bundled.DEFAULT_RUN)
+            trained = options.training_run(bundled.DEFAULT_RUN) is not None
         except ValueError:
-            run = None
-        if run is None:
-            print(
-                f"flashdraft eval: no run in {bundled.DEFAULT_RUN}: evaluating the drafter shipped with the "
-                "bundled target",
-                file=sys.stderr,
-            )
-            return str(bundled.drafter_dir()), cfg
-    else:
-        run = options.training_run(drafter)
-        if run is None and "target.path" not in given:
-            raise Refused(BOTH)
+            trained = False
+        hint = f"; the run of `flashdraft train`: flashdraft eval --drafter {bundled.DEFAULT_RUN}" if trained else ""
+        print(f"flashdraft eval: the drafter shipped with the bundled target{hint}", file=sys.stderr)
+        return str(bundled.drafter_dir()), cfg
+    run = options.training_run(drafter)
+    if run is None and "target.path" not in given:
+        raise Refused(BOTH)
     if run is None:
         return drafter, cfg
     checkpoint, settings = run

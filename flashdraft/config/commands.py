@@ -37,7 +37,7 @@ class EvalCommand:
     drafter: str | None = None
     """The drafter: a DFlash checkpoint directory (or hub id), or a training run's directory, whose latest complete
     checkpoint is evaluated with the target, dtype and held-out prompts of its config.json (unless given here). null:
-    the run of the bundled default (runs/default), else the drafter shipped with the bundled target."""
+    the drafter shipped with the bundled target, on its held-out prompts."""
     device: str = "auto"
     """auto (cuda when there is one, else cpu) | cpu | cuda."""
     temperature: float = 0.0

@@ -307,7 +307,7 @@ def test_before_any_run_the_shipped_drafter_is_evaluated(capsys, tmp_path, monke
     args = _args("--limit", "1", "--max-new-tokens", "24", "--json", str(tmp_path / "r.json"), "--no-progress")
     assert args.run(args) == 0
     captured = capsys.readouterr()
-    assert "evaluating the drafter shipped with the bundled target" in captured.err
+    assert "the drafter shipped with the bundled target\n" in captured.err
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["drafter"].endswith("bundled/drafter") and report["greedy_mismatches"] == 0
     # The trained drafter's drafts are accepted (1.53 on this prompt); a random or misread one gets tau ~ 1.
@@ -324,19 +324,28 @@ def test_missing_target_or_drafter_exits_2(capsys, tmp_path, monkeypatch):
     assert "give both --target and --drafter" in capsys.readouterr().err
 
 
-def test_no_arguments_evaluates_the_bundled_default(tmp_path, monkeypatch):
+def test_after_a_run_of_the_bundled_default_no_arguments_still_evaluate_the_shipped_drafter(
+    tmp_path, monkeypatch, capsys
+):
+    """The shipped drafter is what a run of the bundled default is measured against: `flashdraft eval` keeps
+    evaluating it and names the run's command; `--drafter runs/default` evaluates the run (a DSpark drafter)."""
     from flashdraft import bundled
     from flashdraft.config import load_config
     from flashdraft.train.loop import train
 
     monkeypatch.chdir(tmp_path)
-    train(load_config(bundled.ASSETS / "train.yaml", [*SHIPPED_DRAFTER, "train.max_steps=2", "data.eval_prompts=null"]))
-    args = _args("--limit", "1", "--max-new-tokens", "24", "--json", str(tmp_path / "r.json"), "--no-progress")
+    train(load_config(bundled.ASSETS / "train.yaml", ["train.max_steps=2", "data.eval_prompts=null"]))
+    common = ["--limit", "1", "--max-new-tokens", "24", "--no-progress"]
+    args = _args(*common, "--json", str(tmp_path / "shipped.json"))
     assert args.run(args) == 0
-    report = json.loads((tmp_path / "r.json").read_text())
-    assert report["target"] == "bundled" and report["drafter"].endswith("step_00000002/drafter")
-    # Two steps of fine-tuning from the shipped drafter keep its acceptance (a drafter trained from scratch: ~1).
+    assert "the run of `flashdraft train`: flashdraft eval --drafter runs/default" in capsys.readouterr().err
+    report = json.loads((tmp_path / "shipped.json").read_text())
+    assert report["target"] == "bundled" and report["drafter"].endswith("bundled/drafter")
     assert report["num_prompts"] == 1 and report["tau"] > SHIPPED_TAU_FLOOR
+    args = _args(*common, "--drafter", "runs/default", "--json", str(tmp_path / "run.json"))
+    assert args.run(args) == 0
+    report = json.loads((tmp_path / "run.json").read_text())
+    assert report["drafter"].endswith("step_00000002/drafter") and report["greedy_mismatches"] == 0
 
 
 def test_eval_of_a_training_run_takes_its_target_prompts_and_latest_checkpoint(tmp_path, monkeypatch, capsys):
