@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from flashdraft.drafter.model import _rotate
+from flashdraft.drafter.attention import _rotate
 from flashdraft.speculative.engine import ops
 from flashdraft.speculative.engine.graphs import Step, capture_all
 from flashdraft.speculative.engine.target_runner import TargetEngine
