@@ -54,12 +54,12 @@ class GroupedDynamicConv(nn.Module):
             param._is_hf_initialized = True
 
     def prepare(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, Q, H) normed sublayer input -> (the pre-convolved input, the post side's dynamic kernel)."""
+        """(..., Q, H) normed sublayer input -> (the pre-convolved input, the post side's dynamic kernel)."""
         dynamic = self.kernel_projection(u).unflatten(-1, (2, self.kernel_size, self.groups))
         return self._convolve(u, 0, dynamic[..., 0, :, :]), dynamic[..., 1, :, :]
 
     def finish(self, y: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
-        """The sublayer's output (B, Q, H) post-convolved with `prepare`'s dynamic kernel."""
+        """The sublayer's output (..., Q, H) post-convolved with `prepare`'s dynamic kernel."""
         return self._convolve(y, 1, dynamic)
 
     def forward(self, sublayer: Callable[[torch.Tensor], torch.Tensor], u: torch.Tensor) -> torch.Tensor:
@@ -68,16 +68,16 @@ class GroupedDynamicConv(nn.Module):
         return self.finish(sublayer(pre), dynamic)
 
     def _convolve(self, z: torch.Tensor, side: int, dynamic: torch.Tensor) -> torch.Tensor:
-        batch, q_len, hidden = z.shape
+        q_len, hidden = z.shape[-2:]
         block = self.block_size if q_len % self.block_size == 0 else q_len
         if self.kernel_size > block:
             raise ValueError(f"conv_kernel_size {self.kernel_size} reaches past a block of {block} positions")
-        blocks = z.view(batch, q_len // block, block, hidden)
+        blocks = z.view(*z.shape[:-2], q_len // block, block, hidden)
         out = z * self.base_kernel[side, 0].to(z.dtype)
         out = out + _grouped(z, dynamic[..., 0, :], self.group_size)
         for tap in range(1, self.kernel_size):
             # Position t reads t − tap of its own block; the first `tap` positions of every block read zeros.
-            shifted = nn.functional.pad(blocks[:, :, : block - tap], (0, 0, tap, 0)).view_as(z)
+            shifted = nn.functional.pad(blocks[..., : block - tap, :], (0, 0, tap, 0)).view_as(z)
             out = out + shifted * self.base_kernel[side, tap].to(z.dtype)
             out = out + _grouped(shifted, dynamic[..., tap, :], self.group_size)
         return out
