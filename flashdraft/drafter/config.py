@@ -22,7 +22,13 @@ from typing import Any
 from huggingface_hub.errors import StrictDataclassError
 from transformers import PreTrainedConfig, Qwen3Config
 
-from flashdraft.drafter.families import FAMILIES, FAMILY_LAYER_DEFAULTS, family_config_fields, validate_family
+from flashdraft.drafter.families import (
+    BLOCK_SIZE_IN_DFLASH_CONFIG,
+    FAMILIES,
+    FAMILY_LAYER_DEFAULTS,
+    family_config_fields,
+    validate_family,
+)
 
 ARCHITECTURE = FAMILIES["dflash"].architecture
 # The reference `dflash` package's class: what `AutoModel` resolves for a DFlash drafter (no other family has one).
@@ -130,12 +136,20 @@ def draft_config_from_target(
     elif layer_types is None:
         fields["layer_types"] = ["full_attention"] * num_layers
     extra = family_config_fields(family, family_fields)
+    # The published DFlash2 layout keeps block_size in dflash_config only; the others at the top level.
+    where = "dflash_config" if family in BLOCK_SIZE_IN_DFLASH_CONFIG else "top"
+    block = {"block_size": block_size}
     try:
         config = Qwen3Config(
             **fields,
-            block_size=block_size,
+            **(block if where == "top" else {}),
             num_target_layers=num_target_layers,
-            dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids), **extra},
+            dflash_config={
+                **(block if where != "top" else {}),
+                "mask_token_id": mask_token_id,
+                "target_layer_ids": list(target_layer_ids),
+                **extra,
+            },
             architectures=[FAMILIES[family].architecture],
             **({"auto_map": dict(AUTO_MAP)} if family == "dflash" else {}),
         )

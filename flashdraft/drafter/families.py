@@ -52,6 +52,9 @@ FAMILIES = {
 # Qwen3 fields a new drafter of the family gets unless the caller sets them: the published DFlash2 drafters' layers
 # are all sliding (window 2048) and see their whole block both ways (a sliding layer is causal without `is_causal`).
 FAMILY_LAYER_DEFAULTS = {"dflash2": {"sliding_window": 2048, "is_causal": False}}
+# Families whose checkpoints keep block_size in dflash_config alone (the published DFlash2 configs have none at the
+# top level).
+BLOCK_SIZE_IN_DFLASH_CONFIG = ("dflash2",)
 # Parameter names (prefixes, or a layer's own modules) that a family adds to the backbone.
 _FAMILY_PARAMETERS = ("markov_head.", "confidence_head.", "candidate_selector.", ".attention_conv.", ".mlp_conv.")
 
@@ -191,6 +194,12 @@ def with_family(drafter, family: str, fields: dict[str, Any] | None, where: str 
     config = drafter.config.to_dict()
     config["architectures"] = [FAMILIES[family].architecture]
     backbone = {k: v for k, v in config["dflash_config"].items() if k in ("mask_token_id", "target_layer_ids")}
+    block = {"block_size": family_value(drafter.config, "block_size")}
+    config.pop("block_size", None)
+    if family in BLOCK_SIZE_IN_DFLASH_CONFIG:
+        backbone.update(block)
+    else:
+        config.update(block)
     config["dflash_config"] = {**backbone, **wanted}
     config.pop("auto_map", None)
     converted = type(drafter)(type(drafter.config).from_dict(config))
@@ -202,6 +211,7 @@ def with_family(drafter, family: str, fields: dict[str, Any] | None, where: str 
 
 
 __all__ = [
+    "BLOCK_SIZE_IN_DFLASH_CONFIG",
     "DFLASH2_FIELDS",
     "DSPARK_FIELDS",
     "FAMILY_LAYER_DEFAULTS",

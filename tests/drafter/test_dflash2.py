@@ -164,3 +164,108 @@ def test_a_checkpoint_keeps_the_family_its_fields_and_weights(tmp_path):
 def test_bad_family_fields_are_refused_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         tiny_dflash2(**fields)
+
+
+def _published_names(layers: int) -> set[str]:
+    """The tensor names of z-lab's published DFlash2 checkpoints (no embedding, no LM head)."""
+    per_layer = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+        *(f"{c}.{p}" for c in ("attention_conv", "mlp_conv") for p in ("base_kernel", "kernel_projection.weight")),
+    ]
+    selector = [f"candidate_selector.{n}" for n in ("predecessor_codebook", "successor_codebook")]
+    return {
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        *(f"layers.{i}.{n}" for i in range(layers) for n in per_layer),
+        *selector,
+        "candidate_selector.hidden_projection.weight",
+    }
+
+
+def test_the_reference_export_is_the_published_layout(tmp_path):
+    from safetensors.torch import load_file
+
+    from flashdraft.drafter.layouts import check_layout, write_layout
+
+    drafter = tiny_dflash2()
+    assert check_layout("dflash2", None) == "reference"
+    write_layout(drafter, tmp_path, "reference", None)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["model_type"] == "qwen3"
+    assert "block_size" not in config and config["is_causal"] is False and config["sliding_window"] == 2048
+    assert config["layer_types"] == ["sliding_attention"] * 2 and config["num_target_layers"] == 8
+    assert config["dflash_config"] == {
+        "block_size": 4,
+        "mask_token_id": 5,
+        "target_layer_ids": drafter.target_layer_ids,
+        "conv_kernel_size": 2,
+        "conv_group_size": 8,
+        "selector_rank": 6,
+        "selector_top_k": 5,
+    }
+    weights = load_file(tmp_path / "model.safetensors")
+    assert set(weights) == _published_names(2)
+    assert weights["layers.1.mlp_conv.base_kernel"].shape == (2, 2, 64)
+    assert weights["layers.1.mlp_conv.kernel_projection.weight"].shape == (2 * 2 * 64 // 8, 64)
+    assert weights["candidate_selector.successor_codebook"].shape == (96, 6)
+
+
+def test_a_checkpoint_in_the_published_format_loads_and_drafts_alike(tmp_path):
+    """A checkpoint written the way z-lab publishes one (its config keys, bare codebook names, no top-level
+    block_size, output_multiplier and softcapping in dflash_config) loads with every weight and drafts the same."""
+    from safetensors.torch import save_file
+
+    source = tiny_dflash2(seed=3)
+    _randomise(source, 9, scale=0.1)
+    config = {
+        "architectures": ["DFlash2DraftModel"],
+        "model_type": "qwen3",
+        "dtype": "float32",
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "intermediate_size": source.config.intermediate_size,
+        "num_hidden_layers": 2,
+        "num_attention_heads": source.config.num_attention_heads,
+        "num_key_value_heads": source.config.num_key_value_heads,
+        "head_dim": source.config.head_dim,
+        "attention_bias": False,
+        "is_causal": False,
+        "layer_types": ["sliding_attention"] * 2,
+        "use_sliding_window": True,
+        "max_window_layers": 2,
+        "sliding_window": 3,
+        "vocab_size": 96,
+        "num_target_layers": 8,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": source.config.rms_norm_eps,
+        "tie_word_embeddings": False,
+        "rope_parameters": source.config.rope_parameters,
+        "dflash_config": {
+            "block_size": 4,
+            "conv_group_size": 8,
+            "conv_kernel_size": 2,
+            "mask_token_id": 5,
+            "selector_rank": 6,
+            "selector_top_k": 5,
+            "target_layer_ids": source.target_layer_ids,
+            "output_multiplier": 0.5,
+            "final_logit_softcapping": 3.0,
+        },
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.float().contiguous() for k, v in source.state_dict().items()}, tmp_path / "model.safetensors")
+    loaded = DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float64)
+    assert loaded.family == "dflash2" and loaded.block_size == 4 and loaded.candidate_selector.top_k == 5
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor.float().double()), name
+    hidden, head = torch.randn(3, 64, dtype=torch.float64), torch.randn(96, 64, dtype=torch.float64)
+    logits = loaded.compute_logits(hidden, head)
+    torch.testing.assert_close(logits, torch.tanh(0.5 * (hidden @ head.t()) / 3.0) * 3.0)
+    drafts, rows = loaded.walk(hidden, head, torch.tensor(1), lambda k, row: row.argmax())
+    assert rows.isfinite().sum(-1).eq(5).all()  # the softcapped logits' candidates
