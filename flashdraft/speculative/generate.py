@@ -157,9 +157,8 @@ class DFlashProposer:
         return torch.cat(drafts), torch.cat(probs) if probs else None
 
     def _walk(self, slots: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The drafts of `slots` after the token `first`, chained through the drafter's Markov head or selector (whose
-        rows are −inf outside the candidates); when sampling, each drawn from q given the drafts before it, which is
-        what verification must read."""
+        """The drafts of `slots` after the token `first`, chained through the drafter's Markov head or selector; when
+        sampling, each drawn from q given the drafts before it, which is what verification must read."""
         probs = []
 
         def pick(k: int, logits: torch.Tensor) -> torch.Tensor:
@@ -375,10 +374,7 @@ def generate(
     common = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator)
     refine = validate_refine(refine, block_size) if refine else ()
     if refine and getattr(drafter, "chains", False):
-        raise ValueError(
-            "drafting in passes (refine) needs a drafter whose drafts are independent: DSpark's Markov head and "
-            "DFlash2's selector chain them"
-        )
+        raise ValueError("drafting in passes (refine) needs independent drafts: DSpark and DFlash2 chain theirs")
     if use_engine(target, engine, drafter if block_size > 1 else None, refine, temperature):
         drafter = drafter if block_size > 1 else None
         return engine_session.engine_decode(
