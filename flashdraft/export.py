@@ -156,6 +156,7 @@ def readme(drafter: DFlashDraftModel, out: Path, target: str | os.PathLike | Non
     name, paper = {
         "dflash": ("DFlash", "[DFlash](https://arxiv.org/abs/2602.06036)"),
         "dspark": ("DSpark", "[DSpark](https://arxiv.org/abs/2607.05147): DFlash with a Markov and a confidence head"),
+        "dflash2": ("DFlash2", "DFlash2: DFlash with dynamic convolutions and a candidate selector"),
     }[drafter.family]
     return f"""# {name} drafter
 

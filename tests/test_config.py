@@ -68,7 +68,7 @@ def test_target_labels_may_read_offline_features():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["drafter.family=dsprak"], "drafter.family = 'dsprak': must be dflash, dspark"),
+        (["drafter.family=dsprak"], "drafter.family = 'dsprak': must be dflash, dspark, dflash2"),
         (["drafter.dspark.markov_head_type=lstm"], "drafter.dspark.markov_head_type = 'lstm': must be vanilla"),
         (["drafter.dspark.markov_rank=-1"], "drafter.dspark.markov_rank = -1: must be >= 0"),
         (["drafter.dspark.markov_rank=0"], "drafter.dspark.confidence_head_with_markov = True: needs the Markov"),
@@ -78,6 +78,12 @@ def test_target_labels_may_read_offline_features():
         (["drafter.family=dspark", "recipe.loss=lk"], "recipe.loss = 'lk': must be ce with drafter.family = dspark"),
         (["drafter.family=dspark", "recipe.reveal=0.5"], "recipe.reveal = 0.5: must be 0 with drafter.family"),
         (["drafter.dspark.markov_width=3"], "unknown field drafter.dspark.markov_width"),
+        (["drafter.dflash2.selector_top_k=0"], "drafter.dflash2.selector_top_k = 0: must be >= 1"),
+        (["drafter.dflash2.conv_kernel_size=17"], "drafter.dflash2.conv_kernel_size = 17: must be <= drafter.block"),
+        (["recipe.dflash2.absent=keep"], "recipe.dflash2.absent = 'keep': must be drop"),
+        (["recipe.dflash2.selector=-1"], "recipe.dflash2.selector = -1.0: must be >= 0"),
+        (["recipe.dflash2.base=0", "recipe.dflash2.selector=0"], "recipe.dflash2.base = 0.0: and recipe.dflash2"),
+        (["drafter.family=dflash2", "recipe.reveal=0.5"], "recipe.reveal = 0.5: must be 0 with drafter.family"),
     ],
 )
 def test_bad_family_values_name_the_field(overrides, message):

@@ -1,5 +1,6 @@
 """The config sections of the drafter families besides DFlash: `drafter.dspark` (its heads) and `recipe.dspark`
-(its loss), read only when `drafter.family` names that family. What each family is: flashdraft/drafter/families.py.
+(its loss), `drafter.dflash2` (its convolutions and selector) and `recipe.dflash2` (its loss), read only when
+`drafter.family` names that family. What each family is: flashdraft/drafter/families.py.
 """
 
 from __future__ import annotations
@@ -7,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FAMILY_CHOICES: dict[str, tuple[str, ...]] = {
-    "drafter.family": ("dflash", "dspark"),
+    "drafter.family": ("dflash", "dspark", "dflash2"),
     "drafter.dspark.markov_head_type": ("vanilla", "gated", "rnn"),
+    "recipe.dflash2.absent": ("drop", "inject"),
 }
 
 
@@ -46,11 +48,44 @@ class DSparkLoss:
     """Binary cross-entropy of the confidence head against each position's acceptance probability."""
 
 
+@dataclass(kw_only=True)
+class DFlash2Parts:
+    """DFlash2's parts on the DFlash backbone (z-lab's DFlash2; the defaults are its published drafters')."""
+
+    conv_kernel_size: int = 2
+    """Taps of the dynamic convolution around each sublayer: position t reads t, t − 1, … of its own block."""
+    conv_group_size: int = 16
+    """Channels sharing one dynamic kernel coefficient (must divide the hidden size)."""
+    selector_rank: int = 256
+    """Rank r of the selector's pair score ⟨A[previous] ⊙ W_h h, B[candidate]⟩ (A, B: vocabulary x r)."""
+    selector_top_k: int = 16
+    """Candidates per position: the backbone's top-k tokens, among which the selector walks the drafted path."""
+
+
+@dataclass(kw_only=True)
+class DFlash2Loss:
+    """DFlash2's loss, a reconstruction (z-lab has not published its trainer): base·(the DFlash loss of the backbone's
+    logits, recipe.loss and its weighting) + selector·(cross-entropy over the top-k candidates of the selector's
+    scores given the true previous token, with the same position weights)."""
+
+    base: float = 1.0
+    """Weight of the backbone's own loss (the DFlash loss over the whole vocabulary)."""
+    selector: float = 1.0
+    """Weight of the selector's cross-entropy over the candidates (NeMo's and speculators' default: 1)."""
+    absent: str = "drop"
+    """A label outside the backbone's top-k: drop (the position adds no selector loss, NeMo's) | inject (it replaces
+    the last candidate and is learned there, speculators')."""
+
+
 def family_checks(cfg) -> list[tuple[str, bool, str]]:
     """(dotted field, ok, why) of the family sections' values that a type cannot express."""
     heads, loss = cfg.drafter.dspark, cfg.recipe.dspark
     dspark = cfg.drafter.family == "dspark"
-    words = {"drafter.family": cfg.drafter.family, "drafter.dspark.markov_head_type": heads.markov_head_type}
+    words = {
+        "drafter.family": cfg.drafter.family,
+        "drafter.dspark.markov_head_type": heads.markov_head_type,
+        "recipe.dflash2.absent": cfg.recipe.dflash2.absent,
+    }
     return [
         *(
             (name, value in FAMILY_CHOICES[name], f"must be {', '.join(FAMILY_CHOICES[name])}")
@@ -77,7 +112,29 @@ def family_checks(cfg) -> list[tuple[str, bool, str]]:
             not (dspark and cfg.recipe.reveal > 0),
             "must be 0 with drafter.family = dspark (its Markov head chains the drafts of one pass)",
         ),
+        *dflash2_checks(cfg),
     ]
 
 
-__all__ = ["FAMILY_CHOICES", "DSparkHeads", "DSparkLoss", "family_checks"]
+def dflash2_checks(cfg) -> list[tuple[str, bool, str]]:
+    parts, loss = cfg.drafter.dflash2, cfg.recipe.dflash2
+    dflash2 = cfg.drafter.family == "dflash2"
+    return [
+        *((f"drafter.dflash2.{name}", getattr(parts, name) >= 1, "must be >= 1") for name in vars(parts)),
+        (
+            "drafter.dflash2.conv_kernel_size",
+            parts.conv_kernel_size <= cfg.drafter.block_size,
+            f"must be <= drafter.block_size ({cfg.drafter.block_size}): a tap never reaches past its block",
+        ),
+        ("recipe.dflash2.base", loss.base >= 0, "must be >= 0"),
+        ("recipe.dflash2.selector", loss.selector >= 0, "must be >= 0"),
+        ("recipe.dflash2.base", loss.base + loss.selector > 0, "and recipe.dflash2.selector cannot both be 0"),
+        (
+            "recipe.reveal",
+            not (dflash2 and cfg.recipe.reveal > 0),
+            "must be 0 with drafter.family = dflash2 (its selector chains the drafts of one pass)",
+        ),
+    ]
+
+
+__all__ = ["FAMILY_CHOICES", "DFlash2Loss", "DFlash2Parts", "DSparkHeads", "DSparkLoss", "family_checks"]

@@ -12,7 +12,14 @@ from typing import Any
 
 from flashdraft.config import commands
 from flashdraft.config.commands import COMMAND_CHOICES, command_checks, either, field_value
-from flashdraft.config.families import FAMILY_CHOICES, DSparkHeads, DSparkLoss, family_checks
+from flashdraft.config.families import (
+    FAMILY_CHOICES,
+    DFlash2Loss,
+    DFlash2Parts,
+    DSparkHeads,
+    DSparkLoss,
+    family_checks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +104,12 @@ class DrafterConfig:
     """Qwen3 config fields of the drafter that differ from the target's (e.g. intermediate_size)."""
     family: str = "dflash"
     """dflash (the backbone alone) | dspark (the backbone with DSpark's Markov and confidence heads, drafter.dspark;
-    its loss, recipe.dspark). With drafter.init_from of another family, its backbone is kept and the heads start
+    its loss, recipe.dspark) | dflash2 (the backbone with DFlash2's convolutions and candidate selector,
+    drafter.dflash2; its loss, recipe.dflash2; its layers sliding, window 2048, both ways inside the block, unless
+    drafter.overrides choose). With drafter.init_from of another family, its backbone is kept and the heads start
     new."""
     dspark: DSparkHeads = field(default_factory=DSparkHeads)
+    dflash2: DFlash2Parts = field(default_factory=DFlash2Parts)
 
 
 @dataclass(kw_only=True)
@@ -168,6 +178,7 @@ class RecipeConfig:
     several passes, each re-drafting the positions after the drafts it keeps (`flashdraft eval --refine`);
     0 (the paper's) trains single-pass drafting only."""
     dspark: DSparkLoss = field(default_factory=DSparkLoss)
+    dflash2: DFlash2Loss = field(default_factory=DFlash2Loss)
 
 
 @dataclass(kw_only=True)

@@ -1,5 +1,6 @@
-"""The drafter's attention: `attend`, the one place it calls a kernel (FlexAttention or SDPA), and
-`structural_mask`, the mask of its causal and sliding-window layers."""
+"""The drafter's attention: `DFlashAttention` (queries from the block, keys and values from the context and the
+block), `attend`, the one place it calls a kernel (FlexAttention or SDPA), and `structural_mask`, the mask of its
+causal and sliding-window layers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers import Qwen3Config
+from transformers.cache_utils import Cache
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, rotate_half
 
 
 def attend(
@@ -94,3 +99,61 @@ def structural_mask(
         if not causal:
             visible &= k_pos - q_pos < sliding_window
     return visible[None, None]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys and values from `concat(context, block)`; q/k RMSNorm; RoPE on both."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        heads, kv_heads, bias = config.num_attention_heads, config.num_key_value_heads, config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        # The reference's rule: sliding-window layers are causal, full-attention layers bidirectional, unless the
+        # config sets `is_causal` for all layers.
+        layer_type = (config.layer_types or ["full_attention"] * config.num_hidden_layers)[layer_idx]
+        is_causal = getattr(config, "is_causal", None)
+        self.is_causal = layer_type == "sliding_attention" if is_causal is None else bool(is_causal)
+        self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | BlockMask | None = None,
+        past_key_values: Cache | None = None,
+    ) -> torch.Tensor:
+        batch, q_len = hidden_states.shape[:2]
+        kv_len = context.shape[1] + q_len
+        query = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
+        # Context and block are projected separately (never concatenated before the projection) so that the
+        # context rows can be cached and the result matches the reference bit for bit.
+        key = torch.cat([self.k_proj(context), self.k_proj(hidden_states)], dim=1)
+        value = torch.cat([self.v_proj(context), self.v_proj(hidden_states)], dim=1)
+        key = self.k_norm(key.view(batch, kv_len, -1, self.head_dim)).transpose(1, 2)
+        value = value.view(batch, kv_len, -1, self.head_dim).transpose(1, 2)
+        cos, sin = (t.unsqueeze(1) for t in position_embeddings)
+        query = _rotate(query, cos[..., -q_len:, :], sin[..., -q_len:, :])
+        key = _rotate(key, cos, sin)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        if attention_mask is None and (self.is_causal or self.sliding_window is not None):
+            attention_mask = structural_mask(
+                q_len, key.shape[2], causal=self.is_causal, sliding_window=self.sliding_window, device=key.device
+            )
+        dropout = self.attention_dropout if self.training else 0.0
+        out = attend(query, key, value, attention_mask, scale=self.scaling, dropout=dropout)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))

@@ -22,7 +22,13 @@ from typing import Any
 from huggingface_hub.errors import StrictDataclassError
 from transformers import PreTrainedConfig, Qwen3Config
 
-from flashdraft.drafter.families import FAMILIES, family_config_fields, validate_family
+from flashdraft.drafter.families import (
+    BLOCK_SIZE_IN_DFLASH_CONFIG,
+    FAMILIES,
+    FAMILY_LAYER_DEFAULTS,
+    family_config_fields,
+    validate_family,
+)
 
 ARCHITECTURE = FAMILIES["dflash"].architecture
 # The reference `dflash` package's class: what `AutoModel` resolves for a DFlash drafter (no other family has one).
@@ -115,6 +121,7 @@ def draft_config_from_target(
         tie_word_embeddings=False,
     )
     _check_override_names(overrides)
+    fields.update(_family_layer_defaults(family, num_layers, overrides))
     fields.update(overrides)
     fields["num_hidden_layers"] = num_layers
     layer_types = fields.get("layer_types")
@@ -129,12 +136,20 @@ def draft_config_from_target(
     elif layer_types is None:
         fields["layer_types"] = ["full_attention"] * num_layers
     extra = family_config_fields(family, family_fields)
+    # The published DFlash2 layout keeps block_size in dflash_config only; the others at the top level.
+    where = "dflash_config" if family in BLOCK_SIZE_IN_DFLASH_CONFIG else "top"
+    block = {"block_size": block_size}
     try:
         config = Qwen3Config(
             **fields,
-            block_size=block_size,
+            **(block if where == "top" else {}),
             num_target_layers=num_target_layers,
-            dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids), **extra},
+            dflash_config={
+                **(block if where != "top" else {}),
+                "mask_token_id": mask_token_id,
+                "target_layer_ids": list(target_layer_ids),
+                **extra,
+            },
             architectures=[FAMILIES[family].architecture],
             **({"auto_map": dict(AUTO_MAP)} if family == "dflash" else {}),
         )
@@ -142,6 +157,17 @@ def draft_config_from_target(
         raise ValueError(f"invalid drafter config: {err.__cause__ or err}") from err
     validate_draft_config(config)
     return config
+
+
+def _family_layer_defaults(family: str, num_layers: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The family's layer fields (`FAMILY_LAYER_DEFAULTS`) that `overrides` leave open: a window comes with sliding
+    layers, unless the caller chose the layers or the window."""
+    defaults = dict(FAMILY_LAYER_DEFAULTS.get(family, {}))
+    if "sliding_window" in defaults:
+        window = defaults.pop("sliding_window")
+        if "layer_types" not in overrides and "sliding_window" not in overrides:
+            defaults.update(layer_types=["sliding_attention"] * num_layers, sliding_window=window)
+    return {k: v for k, v in defaults.items() if k not in overrides}
 
 
 # Read by the drafter (model.py) though Qwen3Config does not declare them, and legacy RoPE keys Qwen3Config converts.

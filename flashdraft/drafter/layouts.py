@@ -2,12 +2,13 @@
 
 | layout | families | read by | config.json | weights |
 |---|---|---|---|---|
-| reference | dflash | the `dflash` package, SGLang (`DFLASH`), vLLM (`dflash`) | flashdraft's own: a Qwen3 config with `block_size`, `dflash_config` | the backbone |
+| reference | dflash, dflash2 | the `dflash` package, SGLang (`DFLASH`), vLLM (`dflash`); DFlash2: z-lab's `DFlash2DraftModel` and the engines that key on it | flashdraft's own: a Qwen3 config with `block_size`, `dflash_config` (DFlash2: `block_size` and the family's fields inside `dflash_config` alone, `is_causal`, as z-lab publishes them) | the backbone (and DFlash2's convolutions and selector) |
 | deepspec | dspark | vLLM (`dspark`), SGLang (`DSPARK`) | DeepSpec's: `architectures: ["Qwen3DSparkModel"]`, the DSpark fields, `block_size`, `mask_token_id`, `target_layer_ids` at the top level | the backbone, the heads, and copies of the target's `embed_tokens` and `lm_head` |
-| speculators | dflash, dspark | speculators 0.9 (vLLM's format library) | `speculators_model_type`, the drafter's layers as `transformer_layer_config`, `aux_hidden_state_layer_ids` (a target layer id + 1: an index of `output_hidden_states`), `speculators_config.verifier` | the backbone and the heads; the embedding and LM head reload from the verifier |
+| speculators | dflash, dspark, dflash2 | speculators 0.9 (vLLM's format library) | `speculators_model_type`, the drafter's layers as `transformer_layer_config`, `aux_hidden_state_layer_ids` (a target layer id + 1: an index of `output_hidden_states`), `speculators_config.verifier` | the backbone and the heads; the embedding and LM head reload from the verifier |
 
 Weight names are the same in all three (`fc`, `hidden_norm`, `norm`, `layers.N.*`, `markov_head.*`,
-`confidence_head.*`): the layouts differ in their config and in what else they carry.
+`confidence_head.*`, `layers.N.{attention,mlp}_conv.*`, `candidate_selector.*` with its codebooks as bare tensors):
+the layouts differ in their config and in what else they carry.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from safetensors.torch import save_file
 
 from flashdraft.drafter.families import FAMILIES, family_value
 
-LAYOUTS = {"reference": ("dflash",), "deepspec": ("dspark",), "speculators": ("dflash", "dspark")}
-DEFAULT_LAYOUT = {"dflash": "reference", "dspark": "deepspec"}
+LAYOUTS = {"reference": ("dflash", "dflash2"), "deepspec": ("dspark",), "speculators": ("dflash", "dspark", "dflash2")}
+DEFAULT_LAYOUT = {"dflash": "reference", "dspark": "deepspec", "dflash2": "reference"}
 SPECULATORS_VERSION = "0.9.0"
 # What only flashdraft's own config holds (the other layouts state it their way, or not at all).
 _FLASHDRAFT_KEYS = ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers")
@@ -99,7 +100,7 @@ def speculators_config(drafter, target_dir: str | os.PathLike | None) -> dict:
         target_config = json.loads((Path(target_dir) / "config.json").read_text())
         verifier = {"name_or_path": str(Path(target_dir).resolve()), "architectures": target_config["architectures"]}
     config = {
-        "architectures": ["DSparkDraftModel" if family == "dspark" else "DFlashDraftModel"],
+        "architectures": [FAMILIES[family].architecture],
         "speculators_model_type": family,
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": _layer_config(drafter),
@@ -108,7 +109,8 @@ def speculators_config(drafter, target_dir: str | os.PathLike | None) -> dict:
         "aux_hidden_state_layer_ids": [i + 1 for i in drafter.target_layer_ids],
         "mask_token_id": drafter.mask_token_id,
         "sample_from_anchor": drafter.draft_offset == 1,
-        "sliding_window_non_causal": False,
+        # Bidirectional inside the block on sliding layers: DFlash2's rule (speculators' default for it).
+        "sliding_window_non_causal": family == "dflash2",
         "target_hidden_size": None,
         "tie_word_embeddings": False,
         "speculators_config": {
@@ -125,7 +127,7 @@ def speculators_config(drafter, target_dir: str | os.PathLike | None) -> dict:
             "verifier": verifier,
         },
     }
-    if family == "dspark":
+    if family in ("dspark", "dflash2"):
         config.update({k: v for k, v in _family_fields(drafter).items() if k != "sample_from_anchor"})
     return config
 

@@ -13,9 +13,10 @@ residual stream. The drafter has no embedding and no LM head; logits come from t
 
 Checkpoints are in the format of the reference `dflash` package (also read by SGLang and vLLM), see `config.py`.
 
-A drafter of another family (`families.py`) is the same backbone with heads on top: DSpark's Markov head turns the
+A drafter of another family (`families.py`) is the same backbone with more on top: DSpark's Markov head turns the
 block's logits into a left-to-right chain (`draft_logits` teacher-forced, `walk` when drafting) and its confidence
-head predicts each draft's acceptance (`confidence_logits`).
+head predicts each draft's acceptance (`confidence_logits`); DFlash2 convolves inside each sublayer (`conv.py`) and
+walks the block through its candidate selector (`selector.py`).
 """
 
 from __future__ import annotations
@@ -37,17 +38,17 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3PreTrainedModel,
     Qwen3RMSNorm,
     Qwen3RotaryEmbedding,
-    rotate_half,
 )
 
-from flashdraft.drafter.attention import attend, structural_mask
+from flashdraft.drafter.attention import DFlashAttention
 from flashdraft.drafter.config import (
     AUTO_MAP,
     draft_config_from_target,
     draft_value,
     validate_draft_config,
 )
-from flashdraft.drafter.families import FAMILIES, build_heads, draft_offset, family_of, family_value
+from flashdraft.drafter.conv import around
+from flashdraft.drafter.families import FAMILIES, build_convs, build_heads, draft_offset, family_of, family_value
 from flashdraft.drafter.mask_token import choose_mask_token_id
 from flashdraft.hub import NO_HUB_KERNELS
 from flashdraft.io.atomic import atomic_directory
@@ -69,64 +70,6 @@ def select_context_features(hidden_states: Sequence[torch.Tensor], target_layer_
     return torch.cat([hidden_states[i + 1] for i in target_layer_ids], dim=-1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
-
-
-class DFlashAttention(nn.Module):
-    """Queries from the block; keys and values from `concat(context, block)`; q/k RMSNorm; RoPE on both."""
-
-    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
-        heads, kv_heads, bias = config.num_attention_heads, config.num_key_value_heads, config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        # The reference's rule: sliding-window layers are causal, full-attention layers bidirectional, unless the
-        # config sets `is_causal` for all layers.
-        layer_type = (config.layer_types or ["full_attention"] * config.num_hidden_layers)[layer_idx]
-        is_causal = getattr(config, "is_causal", None)
-        self.is_causal = layer_type == "sliding_attention" if is_causal is None else bool(is_causal)
-        self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        context: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | BlockMask | None = None,
-        past_key_values: Cache | None = None,
-    ) -> torch.Tensor:
-        batch, q_len = hidden_states.shape[:2]
-        kv_len = context.shape[1] + q_len
-        query = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
-        # Context and block are projected separately (never concatenated before the projection) so that the
-        # context rows can be cached and the result matches the reference bit for bit.
-        key = torch.cat([self.k_proj(context), self.k_proj(hidden_states)], dim=1)
-        value = torch.cat([self.v_proj(context), self.v_proj(hidden_states)], dim=1)
-        key = self.k_norm(key.view(batch, kv_len, -1, self.head_dim)).transpose(1, 2)
-        value = value.view(batch, kv_len, -1, self.head_dim).transpose(1, 2)
-        cos, sin = (t.unsqueeze(1) for t in position_embeddings)
-        query = _rotate(query, cos[..., -q_len:, :], sin[..., -q_len:, :])
-        key = _rotate(key, cos, sin)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
-        if attention_mask is None and (self.is_causal or self.sliding_window is not None):
-            attention_mask = structural_mask(
-                q_len, key.shape[2], causal=self.is_causal, sliding_window=self.sliding_window, device=key.device
-            )
-        dropout = self.attention_dropout if self.training else 0.0
-        out = attend(query, key, value, attention_mask, scale=self.scaling, dropout=dropout)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
-
-
 class DFlashDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
@@ -134,13 +77,15 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention_conv, self.mlp_conv = build_convs(config)  # DFlash2's (conv.py), else None
 
     def forward(self, hidden_states: torch.Tensor, *attention_args, **attention_kwargs) -> torch.Tensor:
-        """The attention, then the MLP, each around a residual; takes `DFlashAttention.forward`'s arguments."""
+        """The attention, then the MLP, each around a residual (inside it, a family's convolutions); takes
+        `DFlashAttention.forward`'s arguments."""
         # The context was normed once by hidden_norm; it bypasses input_layernorm and goes straight to k/v_proj.
-        attn = self.self_attn(self.input_layernorm(hidden_states), *attention_args, **attention_kwargs)
-        hidden_states = hidden_states + attn
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        attention = lambda x: self.self_attn(x, *attention_args, **attention_kwargs)  # noqa: E731
+        hidden_states = hidden_states + around(self.attention_conv, attention, self.input_layernorm(hidden_states))
+        return hidden_states + around(self.mlp_conv, self.mlp, self.post_attention_layernorm(hidden_states))
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):
@@ -157,7 +102,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.markov_head, self.confidence_head = build_heads(config)  # before post_init, which initialises them
+        # Before post_init, which initialises them (the selector's codebooks excepted: selector.py).
+        self.markov_head, self.confidence_head, self.candidate_selector = build_heads(config)
         self.post_init()
 
     # ---- what a caller needs to know -------------------------------------------------------------------------
@@ -186,6 +132,12 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     def draft_offset(self) -> int:
         """Slot k of a block drafts the token at anchor + k + draft_offset (`families.py`)."""
         return draft_offset(self.config)
+
+    @property
+    def chains(self) -> bool:
+        """Whether its drafts are picked left to right, each after the one before it (`walk`): DSpark's Markov head,
+        DFlash2's selector."""
+        return self.markov_head is not None or self.candidate_selector is not None
 
     @property
     def num_drafts(self) -> int:
@@ -302,9 +254,12 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def walk(self, hidden: torch.Tensor, lm_head: nn.Module | torch.Tensor, first: torch.Tensor, pick) -> tuple:
         """Draft the K slots hidden (K, D) after the token `first` (0-d): `pick(k, logits) -> token` (0-d: argmax
-        or a draw) chooses each; with a Markov head, left to right (`MarkovHead.walk`). Returns (drafts (K,),
-        logits (K, V) as picked from). Device operations only (CUDA-graph safe)."""
+        or a draw) chooses each; with a Markov head or a selector, left to right (`MarkovHead.walk`,
+        `CandidateSelector.walk`). Returns (drafts (K,), logits (K, V) as picked from). Device operations only
+        (CUDA-graph safe)."""
         base = self.compute_logits(hidden, lm_head)
+        if self.candidate_selector is not None:
+            return self.candidate_selector.walk(base, hidden, first, pick)
         if self.markov_head is not None:
             return self.markov_head.walk(base, hidden, first, pick)
         return torch.stack([pick(k, base[k]) for k in range(base.shape[0])]), base

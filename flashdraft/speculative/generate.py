@@ -74,7 +74,8 @@ class DFlashProposer:
     `recipe.reveal`. Each pass is one more drafter forward over the block only (the context is cached).
 
     A drafter of any family (`flashdraft.drafter.families`): a DSpark drafter's anchor slot drafts too, and its
-    Markov head chains the drafts of a pass left to right, each drawn from q given the drafts before it; the
+    Markov head chains the drafts of a pass left to right, each drawn from q given the drafts before it; a DFlash2
+    drafter's selector walks its candidates the same way, q then supported on each position's candidates alone. The
     returned distributions are those q, which is what verification must check against to stay exact.
 
     With a confidence head (DSpark's), `propose` also leaves `confidence`: c_k = sigmoid(`confidence_logits`) of each
@@ -136,7 +137,7 @@ class DFlashProposer:
             self.cached, context = anchor, context[:, :0]  # later passes: the context is all in the cache
             # Draft d (the token d + 1 after the anchor) comes from block slot d + 1 - offset.
             slots = hidden[0, self.start + fixed : self.start + keep]
-            if self.drafter.markov_head is not None:  # left to right, each after the token drafted before it
+            if getattr(self.drafter, "chains", False):  # left to right, each after the token drafted before it
                 pass_drafts, pass_probs = self._walk(slots, block[0, fixed])
                 drafts.append(pass_drafts)
                 probs += pass_probs
@@ -156,8 +157,8 @@ class DFlashProposer:
         return torch.cat(drafts), torch.cat(probs) if probs else None
 
     def _walk(self, slots: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The drafts of `slots` after the token `first`, chained through the drafter's Markov head; when sampling,
-        each drawn from q given the drafts before it, which is what verification must read."""
+        """The drafts of `slots` after the token `first`, chained through the drafter's Markov head or selector; when
+        sampling, each drawn from q given the drafts before it, which is what verification must read."""
         probs = []
 
         def pick(k: int, logits: torch.Tensor) -> torch.Tensor:
@@ -372,8 +373,8 @@ def generate(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     common = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, generator=generator)
     refine = validate_refine(refine, block_size) if refine else ()
-    if refine and getattr(drafter, "markov_head", None) is not None:
-        raise ValueError("drafting in passes (refine) needs a drafter without a Markov head: DSpark chains its drafts")
+    if refine and getattr(drafter, "chains", False):
+        raise ValueError("drafting in passes (refine) needs independent drafts: DSpark and DFlash2 chain theirs")
     if use_engine(target, engine, drafter if block_size > 1 else None, refine, temperature):
         drafter = drafter if block_size > 1 else None
         return engine_session.engine_decode(

@@ -19,6 +19,7 @@ from flashdraft.train.blocks import before_labels
 from flashdraft.train.compile import compile_enabled
 from flashdraft.train.dataloader import MicroBatch
 from flashdraft.train.loss import LossStats, Objective, dflash_loss
+from flashdraft.train.loss.dflash2 import DFlash2Weights, dflash2_loss
 from flashdraft.train.loss.dspark import DSparkWeights, dspark_loss
 from flashdraft.train.masks import attention_kind, drafter_mask
 
@@ -41,6 +42,7 @@ class Drafting:
     compile_loss: bool
     features: object | None = None  # an offline FeatureStore: read instead of running the target
     dspark: DSparkWeights | None = None  # a DSpark drafter's loss weights (None: the DFlash loss)
+    dflash2: DFlash2Weights | None = None  # a DFlash2 drafter's loss weights and absent-label rule
 
     @classmethod
     def of(cls, cfg: RunConfig, s) -> Drafting:
@@ -56,6 +58,7 @@ class Drafting:
             compile_enabled(cfg.train.compile, s.device),
             s.features,
             DSparkWeights(**asdict(cfg.recipe.dspark)) if cfg.drafter.family == "dspark" else None,
+            DFlash2Weights(**asdict(cfg.recipe.dflash2)) if cfg.drafter.family == "dflash2" else None,
         )
 
     def eager(self, target, drafter: torch.nn.Module) -> Drafting:
@@ -96,17 +99,22 @@ class Drafting:
             loss, stats = self._dspark_loss(micro, hidden, teacher_hidden, denominator)
             mark("loss")
             return loss, stats
-        loss, stats = dflash_loss(
-            hidden,
-            self.target.lm_head_weight,
-            blocks.labels,
-            blocks.weights,
+        common = dict(
             block_size=blocks.block_size,
             denominator=denominator,
             objective=self.objective,
             teacher_hidden=teacher_hidden,
             compile_chunks=self.compile_loss,
         )
+        head, labels, weights = self.target.lm_head_weight, blocks.labels, blocks.weights
+        if self.dflash2 is not None:  # the selector reads the true token before each drafted one
+            prev = before_labels(micro.input_ids, blocks)
+            selector = self.drafter.candidate_selector
+            loss, stats = dflash2_loss(
+                hidden, head, labels, weights, prev, selector, loss_weights=self.dflash2, offset=blocks.offset, **common
+            )
+        else:
+            loss, stats = dflash_loss(hidden, head, labels, weights, **common)
         mark("loss")
         return loss, stats
 

@@ -187,7 +187,8 @@ def needs_target_distribution(cfg: RunConfig) -> bool:
 
 def family_fields(cfg: RunConfig) -> dict | None:
     """The family fields of the drafter the config asks for (None for DFlash, which has none)."""
-    return asdict(cfg.drafter.dspark) if cfg.drafter.family == "dspark" else None
+    section = {"dspark": cfg.drafter.dspark, "dflash2": cfg.drafter.dflash2}.get(cfg.drafter.family)
+    return None if section is None else asdict(section)
 
 
 def build_drafter(cfg: RunConfig, target: FrozenTarget | HeadTarget, tokenizer) -> DFlashDraftModel:

@@ -68,7 +68,7 @@ def test_speculators_layout_counts_layers_from_the_embedding_and_names_the_verif
 @pytest.mark.parametrize(
     "layout, target, message",
     [
-        ("reference", True, "the reference layout holds dflash drafters, not dspark"),
+        ("reference", True, "the reference layout holds dflash or dflash2 drafters, not dspark"),
         ("deepspec", False, "the deepspec layout carries the target's embedding and LM head"),
         ("onnx", True, "layout 'onnx': must be one of"),
     ],

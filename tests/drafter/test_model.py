@@ -294,10 +294,10 @@ def test_refuses_pickle_weights(tmp_path):
         DFlashDraftModel.from_pretrained(tmp_path, use_safetensors=False)
 
 
-def test_refuses_dflash2_checkpoints(tmp_path):
+def test_refuses_a_dflash_checkpoint_labelled_dflash2_naming_the_missing_weights(tmp_path):
     model = tiny_drafter()
     model.config.architectures = ["DFlash2DraftModel"]
     model.config.save_pretrained(tmp_path)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match="config.json: a DFlash2 drafter"):
+    with pytest.raises(ValueError, match=r"\(a dflash2 drafter\): missing \['candidate_selector"):
         DFlashDraftModel.from_pretrained(tmp_path)

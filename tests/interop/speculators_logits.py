@@ -6,7 +6,7 @@ speculators' model classes and write the logits it computes on the test's inputs
 It imports speculators, transformers, torch and safetensors (never flashdraft): what a user of speculators would
 run. The context features come from the verifier the export names, at the layers speculators reads from the
 export's config. The inputs hold the context's token ids (1, T), the block's token ids (1, B), where the drafting
-slots start and, for DSpark, the token before each drafting slot (1, K).
+slots start and, for DSpark and DFlash2, the token before each drafting slot (1, K).
 """
 
 import os
@@ -54,6 +54,9 @@ def main(export_dir: str, inputs_path: str, outputs_path: str) -> None:
         outputs["logits"] = outputs["logits"] + model.markov_head.block_bias(prev_token_ids=prev, hidden_states=slots)
         embedding = model.markov_head.prev_embeddings(prev).to(slots.dtype)
         outputs["confidence"] = model.confidence_head(torch.cat([slots, embedding], -1))
+    if "selector_prev_ids" in inputs:  # DFlash2: the selector's candidates and their scores given the previous token
+        candidates, scores = model.candidate_selector.select(outputs["logits"], slots, inputs["selector_prev_ids"])
+        outputs.update(candidates=candidates, selector_scores=scores)
     save_file({k: v.float().contiguous() for k, v in outputs.items()}, outputs_path)
 
 

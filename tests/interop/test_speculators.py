@@ -1,5 +1,5 @@
-"""speculators 0.9 (vLLM's format library) reads flashdraft's DFlash and DSpark exports with its own model classes,
-and computes the logits flashdraft's drafter computes on the same inputs (float32, 1e-5 relative).
+"""speculators 0.9 (vLLM's format library) reads flashdraft's DFlash, DSpark and DFlash2 exports with its own model
+classes, and computes the logits flashdraft's drafter computes on the same inputs (float32, 1e-5 relative).
 
 speculators pins torch <= 2.14.1 and transformers <= 5.19, so it runs in an interpreter of its own, named by
 FLASHDRAFT_SPECULATORS_PYTHON (`.ci/run` installs one); flashdraft writes the exports and the inputs here, and
@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from flashdraft import bundled, export
 from flashdraft.drafter import DFlashDraftModel, select_context_features
+from flashdraft.drafter.families import with_family
 from flashdraft.speculative.prompts import load_prompts
 from flashdraft.target import load_causal_lm
 
@@ -49,6 +50,23 @@ def dspark_drafter(kind: str) -> DFlashDraftModel:
     return drafter.eval()
 
 
+def dflash2_drafter() -> DFlashDraftModel:
+    """A DFlash2 drafter for the bundled target: the shipped DFlash backbone with random convolutions and selector,
+    strong enough to move the hidden states and the candidates' scores."""
+    shipped = DFlashDraftModel.from_pretrained(bundled.drafter_dir(), dtype=torch.float32)
+    torch.manual_seed(2)
+    fields = {"conv_group_size": 16, "selector_rank": 32, "selector_top_k": 8}
+    drafter = with_family(shipped, "dflash2", fields)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "conv" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+            elif "candidate_selector" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+    return drafter.eval()
+
+
 @torch.no_grad()
 def compare(drafter, target, tmp_path: Path) -> dict:
     """Export `drafter` in speculators' layout, compute its logits here and in speculators; the largest relative
@@ -77,6 +95,10 @@ def compare(drafter, target, tmp_path: Path) -> dict:
     if drafter.family == "dspark":
         inputs["prev_ids"] = prev
         expected["confidence"] = drafter.confidence_logits(slots, prev)
+    if drafter.family == "dflash2":  # the selector's top-k and their scores after each true previous token
+        inputs["selector_prev_ids"] = prev
+        scores, candidates = drafter.candidate_selector.scores(expected["logits"], slots, prev)
+        expected.update(selector_scores=scores, candidates=candidates.float())
     save_file({k: v.contiguous() for k, v in inputs.items()}, tmp_path / "inputs.safetensors")
     subprocess.run(
         [SPECULATORS_PYTHON, str(SCRIPT), str(out), str(tmp_path / "inputs.safetensors"), str(tmp_path / "got")],
@@ -99,3 +121,10 @@ def test_speculators_reads_the_shipped_dflash_drafter(target, tmp_path):
 def test_speculators_reads_a_dspark_drafter(target, tmp_path, kind):
     errors = compare(dspark_drafter(kind), target, tmp_path)
     assert errors["logits"] <= 1e-5 and errors["confidence"] <= 1e-5, errors
+
+
+def test_speculators_reads_a_dflash2_drafter(target, tmp_path):
+    drafter = dflash2_drafter()
+    errors = compare(drafter, target, tmp_path)
+    assert errors["candidates"] == 0, errors  # the same top-k, in the same order
+    assert errors["logits"] <= 1e-5 and errors["selector_scores"] <= 1e-5, errors

@@ -100,9 +100,15 @@ def ready(*targets, exact: bool = True):
             fastpath.disable(target)
 
 
+# A small selector: a vocabulary of 8 keeps 3 candidates per position, so the proposal's support is narrower than the
+# backbone's; a group size that divides the tiny targets' hidden sizes.
+DFLASH2_FIELDS = {"conv_group_size": 8, "selector_rank": 4, "selector_top_k": 3}
+
+
 def random_drafter(target, block_size: int = 16, num_layers: int = 1, seed: int = 0, family: str = "dflash", **fields):
     """A randomly initialised drafter of `family` for `target`, in the target's dtype. A DSpark drafter's Markov
-    head is scaled up so that its bias changes what it drafts (a freshly initialised one adds almost nothing)."""
+    head is scaled up so that its bias changes what it drafts (a freshly initialised one adds almost nothing); a
+    DFlash2 drafter's convolutions and selector are drawn at random (fresh ones are the identity and S = U)."""
     from flashdraft.drafter import DFlashDraftModel
 
     torch.manual_seed(seed)
@@ -113,12 +119,20 @@ def random_drafter(target, block_size: int = 16, num_layers: int = 1, seed: int 
         block_size=block_size,
         mask_token_id=mask,
         family=family,
-        family_fields={"markov_rank": 8, **fields} if family == "dspark" else None,
+        family_fields={"dspark": {"markov_rank": 8, **fields}, "dflash2": {**DFLASH2_FIELDS, **fields}}.get(family),
     )
     if drafter.markov_head is not None:
         with torch.no_grad():
             drafter.markov_head.markov_w1.weight.mul_(40)
             drafter.markov_head.markov_w2.weight.mul_(40)
+    if drafter.candidate_selector is not None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in drafter.named_parameters():
+                if "conv" in name:
+                    p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+                elif "candidate_selector" in name:
+                    p.copy_(3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     return drafter.to(next(target.parameters()).dtype).eval()
 
 

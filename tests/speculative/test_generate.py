@@ -75,6 +75,19 @@ def test_greedy_dspark_equals_target_greedy(setup, anchor_drafts):
             _check_stats(result, block_size, offset=int(anchor_drafts))
 
 
+def test_greedy_dflash2_equals_target_greedy(setup):
+    """A DFlash2 drafter (random convolutions, a selector strong enough to change its drafts), over several block
+    sizes: a block shorter than the drafter's is one conv block."""
+    target, _, cases = setup
+    drafter = random_drafter(target, block_size=16, seed=15, family="dflash2")
+    with ready(target):
+        for i, (prompt, max_new, expected) in enumerate(cases[:8]):
+            block_size = BLOCK_SIZES[i % len(BLOCK_SIZES)]
+            result = generate(target, drafter, prompt, max_new, block_size=block_size)
+            assert result.tokens == expected, f"prompt {i} (length {prompt.shape[1]}), block size {block_size}"
+            _check_stats(result, block_size)
+
+
 @pytest.mark.parametrize("block_size,error_rate", [(4, 0.3), (16, 0.08)])
 def test_greedy_with_high_acceptance_covers_every_acceptance_length(setup, block_size, error_rate):
     """A drafter that knows the answer (wrong at `error_rate`): full blocks (no rollback) and every partial."""

@@ -419,11 +419,15 @@ CASES = {
     "dspark-hybrid-token": ("qwen3_5", 4, 1.0, 1.0, 0, (), "token", "dspark"),
     # plain target, DSpark in DFlash's block convention, with top-k/top-p
     "dspark-plain-filtered": ("qwen3", 3, 0.8, 0.9, 6, (), "block", "dspark-dflash-slots"),
+    # hybrid target, DFlash2: each draft drawn among its position's 3 candidates (of 8 tokens), given the draft
+    # before it through the selector
+    "dflash2-hybrid": ("qwen3_5", 4, 1.0, 1.0, 0, (), "block", "dflash2"),
 }
 DRAFTERS = {
     "dflash": {},
     "dspark": {"family": "dspark"},
     "dspark-dflash-slots": {"family": "dspark", "sample_from_anchor": False},
+    "dflash2": {"family": "dflash2"},
 }
 
 
@@ -449,6 +453,27 @@ def test_a_dspark_proposal_read_without_its_markov_bias_is_detected(monkeypatch)
 
     monkeypatch.setattr(DFlashProposer, "_walk", walk_read_without_bias)
     pvalue, _, _ = _sample_tokens_2_and_3(*CASES["dspark-hybrid-token"])
+    assert pvalue < P_MIN, f"a wrong proposal distribution went undetected (p-value {pvalue:.3g})"
+
+
+def test_a_dflash2_proposal_read_over_the_whole_vocabulary_is_detected(monkeypatch):
+    """The selector's proposal is supported on its candidates only: verifying its drafts against the same scores
+    spread over the whole vocabulary (the backbone's logits off the candidates) gives the wrong output distribution."""
+    from flashdraft.speculative.generate import DFlashProposer
+
+    walk = DFlashProposer._walk
+
+    def walk_read_off_the_candidates(self, slots, first):
+        drafts, probs = walk(self, slots, first)
+        backbone = self.drafter.compute_logits(slots, self.lm_head)
+        rows = []
+        for row, q in zip(backbone, probs, strict=True):
+            logits = torch.where(q[0] > 0, torch.log(q[0]), row)  # the candidates' scores kept, the rest unmasked
+            rows.append(sampling_probs(logits, *self.sampling)[None])
+        return drafts, rows
+
+    monkeypatch.setattr(DFlashProposer, "_walk", walk_read_off_the_candidates)
+    pvalue, _, _ = _sample_tokens_2_and_3("qwen3", 4, 1.0, 1.0, 0, (), "token", "dflash2")  # the cheaper target
     assert pvalue < P_MIN, f"a wrong proposal distribution went undetected (p-value {pvalue:.3g})"
 
 

@@ -148,3 +148,43 @@ def test_with_the_anchor_slot_drafting_nothing_the_rnn_chain_starts_where_drafti
                     for q in (first + 1, first + 2):
                         expected, state = head.step(prev[b, q], hidden[b, q], state)
                         torch.testing.assert_close(markov[b, q], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_dflash2_step_feeds_the_selector_the_true_previous_tokens_and_trains_every_part(monkeypatch):
+    """DFlash's slots (offset 0); the selector's predecessor of each label is the data token before it; the step
+    moves the backbone, both convolutions and the selector (its successor codebook starts at 0). The data are random
+    tokens, rarely among the candidates: injected, they are learned."""
+    family = ["drafter.family=dflash2", "drafter.dflash2.selector_rank=8", "drafter.dflash2.selector_top_k=4"]
+    family.append("recipe.dflash2.absent=inject")
+    cfg, target, s = _setup(*family)
+    assert s.drafter.family == "dflash2" and s.drafter.draft_offset == 0
+    seen, real_loss = [], forward.dflash2_loss
+
+    def loss(hidden, head, labels, weights, prev, selector, **kwargs):
+        seen.append((labels, prev, kwargs))
+        return real_loss(hidden, head, labels, weights, prev, selector, **kwargs)
+
+    monkeypatch.setattr(forward, "dflash2_loss", loss)
+
+    class Keep(_NoUpdate):
+        def step(self):
+            self.grads = {n: p.grad.clone() for n, p in self.drafter.named_parameters() if p.grad is not None}
+
+    keep = Keep(s.drafter)
+    batch = _batch(cfg, s, _Ragged([23, 31, 17, 29], target.lm_head_weight.shape[0]))
+    _, _, finite = loop.train_step(s, cfg, keep, batch)
+    assert finite and len(seen) == 2
+    for (labels, prev, kwargs), micro in zip(seen, batch, strict=True):
+        assert kwargs["offset"] == 0 and kwargs["loss_weights"].absent == "inject"
+        positions = micro.blocks.label_positions
+        for b, q in (labels != -100).nonzero().tolist():
+            assert prev[b, q] == micro.input_ids[b, int(positions[b, q]) - 1]
+    # B = 0 at the start: the first step moves B alone of the pair score's factors.
+    assert not keep.grads["candidate_selector.hidden_projection.weight"].any()
+    for name in (
+        "candidate_selector.successor_codebook",
+        "layers.0.attention_conv.kernel_projection.weight",
+        "layers.0.mlp_conv.base_kernel",
+        "layers.0.mlp.down_proj.weight",
+    ):
+        assert keep.grads[name].abs().sum() > 0, name

@@ -14,7 +14,8 @@ buffer (one per verified token) at slots `context ..`, of which only `pending` a
 into the slots right after the valid context, where its positions are — rows past the context are masked and
 overwritten later.
 
-A drafter with a Markov head (DSpark) picks its drafts left to right inside the same step (`DFlashDraftModel.walk`):
+A drafter with a Markov head (DSpark) or a selector (DFlash2) picks its drafts left to right inside the same step
+(`DFlashDraftModel.walk`):
 greedily, or, when sampling, each drawn from q given the drafts before it with Gumbel noise drawn before the step
 (`sampling.gumbel_pick`), its q kept in `probs` for verification. Its anchor slot drafts too: a block of bs then
 gives bs drafts, and the engine verifies bs + 1 tokens. A drafter with a confidence head also fills `confidence`
@@ -26,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from flashdraft.drafter.model import _rotate
+from flashdraft.drafter.attention import _rotate
+from flashdraft.drafter.conv import around
 from flashdraft.speculative.engine import ops
 from flashdraft.speculative.engine.graphs import Step, capture_all
 from flashdraft.speculative.engine.target_runner import TargetEngine
@@ -83,8 +85,8 @@ class DrafterRunner:
         self.block_ids = torch.full((bs,), int(drafter.mask_token_id), dtype=torch.long, device=self.device)
         self.logits = torch.zeros(self.num_drafts, vocab, dtype=self.dtype, device=self.device)
         self.drafts = torch.zeros(self.num_drafts, dtype=torch.long, device=self.device)
-        # Drafts chained through a Markov head, sampled inside the step: their q, and the noise of their draws.
-        self.chained = getattr(drafter, "markov_head", None) is not None
+        # Drafts chained through a Markov head or a selector, sampled inside the step: their q, and the noise of their draws.
+        self.chained = getattr(drafter, "chains", False)
         self.sampling, self.generator = sampling, generator
         sampled = self.chained and sampling[0] > 0
         probs_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
@@ -164,15 +166,19 @@ class DrafterRunner:
         for layer, cache in zip(self.layers, self.kv, strict=True):
             attn = layer.self_attn
             self._cache_context(attn, context, context_positions, cache)
-            x = self._norm(layer.input_layernorm, hidden)
-            dim = attn.head_dim
-            query = _rotate(self._norm(attn.q_norm, attn.q_proj(x).view(bs, -1, dim)).transpose(0, 1), cos, sin)
-            key = _rotate(self._norm(attn.k_norm, attn.k_proj(x).view(bs, -1, dim)).transpose(0, 1), cos, sin)
-            cache[0].index_copy_(1, positions, key)
-            cache[1].index_copy_(1, positions, attn.v_proj(x).view(bs, -1, dim).transpose(0, 1))
-            visible = self._visible(attn, positions)
-            hidden = hidden + attn.o_proj(ops.cached_attention(query, cache[0], cache[1], visible, attn.scaling))
-            hidden = hidden + layer.mlp(self._norm(layer.post_attention_layernorm, hidden))
+
+            def attention(x, attn=attn, cache=cache):
+                dim = attn.head_dim
+                query = _rotate(self._norm(attn.q_norm, attn.q_proj(x).view(bs, -1, dim)).transpose(0, 1), cos, sin)
+                key = _rotate(self._norm(attn.k_norm, attn.k_proj(x).view(bs, -1, dim)).transpose(0, 1), cos, sin)
+                cache[0].index_copy_(1, positions, key)
+                cache[1].index_copy_(1, positions, attn.v_proj(x).view(bs, -1, dim).transpose(0, 1))
+                visible = self._visible(attn, positions)
+                return attn.o_proj(ops.cached_attention(query, cache[0], cache[1], visible, attn.scaling))
+
+            # A DFlash2 layer convolves inside each residual branch (the block is one conv block).
+            hidden = hidden + around(layer.attention_conv, attention, self._norm(layer.input_layernorm, hidden))
+            hidden = hidden + around(layer.mlp_conv, layer.mlp, self._norm(layer.post_attention_layernorm, hidden))
         slots = self._norm(drafter.norm, hidden)[1 - self.offset :]
         if self.chained:
             drafts, logits = drafter.walk(slots, self.engine.lm_head, self.block_ids[0], self._pick)

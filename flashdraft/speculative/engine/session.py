@@ -84,9 +84,9 @@ class Session:
         return self.engine.captured and all(r.step.graph is not None for r in self._all_runners())
 
     def runner(self, drafter: torch.nn.Module, sampling=(0.0, 1.0, 0), generator=None) -> DrafterRunner:
-        """The runner of `drafter`; one that chains its drafts (a Markov head) draws them inside its graph, which
+        """The runner of `drafter`; one that chains its drafts (a Markov head, a selector) draws them inside its graph, which
         then bakes in the sampling settings."""
-        chained = getattr(drafter, "markov_head", None) is not None
+        chained = getattr(drafter, "chains", False)
         key = (id(drafter), tuple(sampling) if chained else None)
         runner = self.runners.get(key)
         if runner is None or runner.drafter is not drafter:
@@ -214,7 +214,7 @@ def engine_decode(
     verified (`flashdraft.speculative.sampling`)."""
     validate_request(input_ids, max_new_tokens, temperature, top_p, top_k)
     validate_verify(verify)
-    if refine and (drafter is None or temperature > 0 or getattr(drafter, "markov_head", None) is not None):
+    if refine and (drafter is None or temperature > 0 or getattr(drafter, "chains", False)):
         raise ValueError("the engine drafts in passes (refine) only with a DFlash drafter at temperature 0")
     if sum(x is not None for x in (drafter, lookup, mtp)) > 1:
         raise ValueError("give one of a drafter, a lookup proposer and an MTP head")

@@ -1,5 +1,5 @@
 """The losses written plainly: every logit at once, torch's cross-entropy and softmax, and each `Objective`
-from its definition (what `dflash_loss` and `dspark_loss` must equal).
+from its definition (what `dflash_loss`, `dspark_loss` and `dflash2_loss` must equal).
 
 It holds all B·Q·V logits and their gradient, so it serves tests and checks of a new head, dtype or device, not
 training. Same arguments and return contract as `dflash_loss`: (loss, `LossStats`).
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from flashdraft.train.blocks import IGNORE_INDEX
+from flashdraft.train.loss.dflash2 import dflash2_loss
 from flashdraft.train.loss.dspark import dspark_loss
 from flashdraft.train.loss.fused import check_loss_inputs
 from flashdraft.train.loss.objective import PAPER, Objective, labelled_blocks
@@ -128,4 +129,56 @@ def reference_dspark_loss(
     return loss, stats
 
 
-__all__ = ["reference_dspark_loss", "reference_loss"]
+def reference_dflash2_loss(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    prev: torch.Tensor,
+    selector,
+    **options,
+) -> tuple[torch.Tensor, LossStats]:
+    """`dflash2_loss` from full (B, Q, V) logits with autograd: `reference_loss` for the DFlash term, and the selector's
+    scores written from their formula with torch's cross-entropy over the candidates. `options`: dflash2_loss's
+    keyword arguments, with its defaults."""
+    bound = inspect.signature(dflash2_loss).bind_partial(**options)
+    bound.apply_defaults()
+    options = SimpleNamespace(**bound.arguments)
+    base, base_stats = reference_loss(
+        hidden,
+        lm_head_weight,
+        labels,
+        weights,
+        block_size=options.block_size,
+        denominator=options.denominator,
+        objective=options.objective,
+        teacher_hidden=options.teacher_hidden,
+    )
+    dtype = torch.promote_types(torch.promote_types(hidden.dtype, lm_head_weight.dtype), torch.float32)
+    labelled = labels != IGNORE_INDEX
+    logits = hidden.to(dtype) @ lm_head_weight.to(dtype).t()
+    ids = logits.detach().topk(selector.top_k, dim=-1).indices  # the choice passes no gradient
+    safe_labels = labels.clamp(min=0)
+    present = (ids == safe_labels[..., None]).any(-1)
+    if options.loss_weights.absent == "inject":
+        ids[..., -1] = torch.where(present, ids[..., -1], safe_labels)
+    kept = labelled & (present | (options.loss_weights.absent == "inject"))
+    slot = (ids == safe_labels[..., None]).to(torch.int64).argmax(-1)
+    a_book, b_book = selector.predecessor_codebook.to(dtype), selector.successor_codebook.to(dtype)
+    projected = hidden.to(dtype) @ selector.hidden_projection.weight.to(dtype).t()
+    pair = ((a_book[prev] * projected)[..., None, :] * b_book[ids]).sum(-1)
+    scores = logits.gather(-1, ids) + pair
+    ce = F.cross_entropy(scores.flatten(0, 1), slot.flatten(), reduction="none").view(labels.shape)
+    normaliser = options.objective.normaliser(labels, weights.to(dtype), options.block_size)
+    denominator = normaliser if options.denominator is None else torch.as_tensor(options.denominator, dtype=dtype)
+    denominator = denominator if denominator > 0 else torch.ones_like(denominator)
+    selector_sum = torch.where(kept, weights.to(dtype) * ce, 0.0).sum()
+    loss = options.loss_weights.base * base + options.loss_weights.selector * selector_sum / denominator
+    with torch.no_grad():
+        hits = (ids.gather(-1, scores.argmax(-1, keepdim=True))[..., 0] == labels) & labelled
+        loss_sum = options.loss_weights.base * base_stats.loss_sum + options.loss_weights.selector * selector_sum
+        stats = block_stats(hits, labelled, loss_sum, base_stats.weight_sum, options.block_size, options.offset)
+    return loss, stats
+
+
+__all__ = ["reference_dflash2_loss", "reference_dspark_loss", "reference_loss"]

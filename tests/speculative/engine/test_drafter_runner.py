@@ -76,18 +76,28 @@ def test_drafter_must_read_the_engine_features():
         DrafterRunner(drafter.to(torch.float64), engine)
 
 
+CHAINED = {
+    "dspark": ("dspark", {"sample_from_anchor": True}),
+    "dspark-dflash-slots": ("dspark", {"sample_from_anchor": False}),
+    "dflash2": ("dflash2", {}),
+}
+
+
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("anchor_drafts", [True, False])
+@pytest.mark.parametrize("kind", list(CHAINED))
 @torch.inference_mode()
-def test_a_dspark_runner_walks_what_the_plain_loop_walks(anchor_drafts, config):
-    """A DSpark drafter's runner: its drafts and logits are the drafter's own walk over `forward`'s block (the
-    anchor slot drafting too, or not), greedy; the engine verifies one token more when the anchor slot drafts."""
+def test_a_chained_runner_walks_what_the_plain_loop_walks(kind, config):
+    """A DSpark or DFlash2 drafter's runner: its drafts and logits are the drafter's own walk over `forward`'s block
+    (DSpark's anchor slot drafting too, or not; DFlash2's convolutions inside its layers and its selector's rows −inf
+    off the candidates), greedy; the engine verifies one token more when the anchor slot drafts."""
     from .. import random_drafter
 
     device, dtype, graphs = config
     target = tiny_target("qwen3_5", seed=5, dtype=dtype).to(device)
     bs = 5
-    drafter = random_drafter(target, block_size=bs, seed=6, family="dspark", sample_from_anchor=anchor_drafts)
+    family, fields = CHAINED[kind]
+    anchor_drafts = bool(fields.get("sample_from_anchor"))
+    drafter = random_drafter(target, block_size=bs, seed=6, family=family, **fields)
     drafter = drafter.to(device)
     layers = list(drafter.target_layer_ids)
     engine = TargetEngine(target, max_len=64, block_size=bs + int(anchor_drafts), feature_layers=layers)
@@ -109,6 +119,8 @@ def test_a_dspark_runner_walks_what_the_plain_loop_walks(anchor_drafts, config):
     head = target.get_output_embeddings()
     drafts, logits = drafter.walk(hidden[0, 1 - int(anchor_drafts) :], head, block[0, 0], lambda k, x: x.argmax())
     assert torch.equal(runner.drafts, drafts)
-    atol = ATOL[dtype] * max(1.0, float(logits.abs().max()))
-    assert (runner.logits - logits).abs().max().item() <= atol
+    finite = logits.isfinite()
+    assert torch.equal(runner.logits.isfinite(), finite) and finite.sum() > 0
+    atol = ATOL[dtype] * max(1.0, float(logits[finite].abs().max()))
+    assert (runner.logits[finite] - logits[finite]).abs().max().item() <= atol
     assert runner.drafts.shape[0] == bs - 1 + int(anchor_drafts)

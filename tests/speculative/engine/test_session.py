@@ -88,12 +88,18 @@ def test_baselines_equal_target_greedy(setup):
         assert max(prompt_lookup_generate(target, prompt, max_new, block_size=8, engine=True).acceptance_lengths) >= 3
 
 
-@pytest.mark.parametrize("anchor_drafts", [True, False])
-def test_greedy_dspark_equals_target_greedy_and_the_plain_loop(setup, anchor_drafts):
-    """A DSpark drafter over the engine: the walk inside the drafter's step, a verification one token wider when
-    the anchor's slot drafts; the same tokens as the target and (float64) the same acceptance as the plain loop."""
+@pytest.mark.parametrize(
+    "family, anchor_drafts",
+    [("dspark", True), ("dspark", False), ("dflash2", False)],
+    ids=["dspark", "slots", "dflash2"],
+)
+def test_greedy_chained_drafter_equals_target_greedy_and_the_plain_loop(setup, family, anchor_drafts):
+    """A DSpark or DFlash2 drafter over the engine: the walk inside the drafter's step, a verification one token
+    wider when the anchor's slot drafts; the same tokens as the target and (float64) the same acceptance as the
+    plain loop."""
     target, _, cases, device, graphs = setup
-    drafter = random_drafter(target, block_size=16, seed=14, family="dspark", sample_from_anchor=anchor_drafts)
+    fields = {"sample_from_anchor": anchor_drafts} if family == "dspark" else {}
+    drafter = random_drafter(target, block_size=16, seed=14, family=family, **fields)
     drafter = drafter.to(device)
     with ready(target):
         for i, (prompt, max_new, expected) in enumerate(cases[:6]):
