@@ -204,7 +204,9 @@ def command_checks(cfg, choices: dict[str, tuple[str, ...]]) -> list[tuple[str, 
         (
             "eval.baselines",
             e.baselines is None or (bool(e.baselines) and not unknown),
-            f"unknown {', '.join(unknown) or 'empty list'}; choose from ar, prompt_lookup, mtp",
+            f"unknown {', '.join(unknown)}; choose from ar, prompt_lookup, mtp"
+            if unknown
+            else "an empty list: name at least one of ar, prompt_lookup, mtp",
         ),
         (
             "eval.refine",
