@@ -90,6 +90,8 @@ def test_baselines_mtp_on_a_target_without_mtp_is_a_clear_error(models, tmp_path
     assert "Traceback" not in err
     assert main([*common, "--baselines", "ar,eagle"]) == 2
     assert "--baselines ar,eagle: eval.baselines = ['ar', 'eagle']: unknown eagle" in capsys.readouterr().err
+    assert main([*common, "eval.baselines=[]"]) == 2
+    assert "eval.baselines = []: an empty list: name at least one of ar" in capsys.readouterr().err
     assert main([*common, "--context-lengths", "1024,lots"]) == 2
     assert (
         "--context-lengths 1024,lots: eval.context_lengths[1]: expected int, got str 'lots'" in capsys.readouterr().err
