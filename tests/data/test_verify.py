@@ -8,6 +8,7 @@ import json
 
 from flashdraft import cli
 from flashdraft.data.shards import INDEX, INPUT_IDS, LOSS_MASK, META
+from tests import SHIPPED_DRAFTER
 from tests.data.conftest import flip, sample_offset
 
 PART = "part-00000-00000.safetensors"
@@ -72,7 +73,8 @@ def test_damage_found_by_train_is_exit_2_naming_the_file(tmp_path, make_features
     loads anything else, as it does on any record (the same DataError, through the same handler)."""
     url, _ = make_features(tmp_path)
     flip(tmp_path / "features" / "head.safetensors", -2)
-    code = cli.main(["train", "--out", str(tmp_path / "run"), f"data.features={url}", "train.device=cpu"])
+    run = ["train", "--out", str(tmp_path / "run"), *SHIPPED_DRAFTER, f"data.features={url}", "train.device=cpu"]
+    code = cli.main(run)
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert f"flashdraft train: error: {url}/head.safetensors: the file fails its checksum" in " ".join(err.split())
