@@ -1,12 +1,17 @@
-"""What the chunked losses share: one chunk's logits through the frozen LM head, and their compiled chunk math.
+"""What the chunked losses share: one chunk's logits through the frozen LM head, their compiled chunk math, and
+their options read by name.
 
 Every loss here walks the labelled rows in chunks so that a (rows, vocabulary) block of logits exists for one chunk
-at a time; `chunk_logits` makes that block, `compiled` compiles a loss's per-chunk softmax arithmetic once.
+at a time; `chunk_logits` makes that block, `compiled` compiles a loss's per-chunk softmax arithmetic once. A loss
+that wraps another (or its reference) takes the other's keyword options through `options_of`, so the two share one
+list of names and defaults.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+from types import SimpleNamespace
 
 import torch
 
@@ -38,4 +43,11 @@ def compiled(chunk_fn):
     return torch.compile(chunk_fn, dynamic=True)
 
 
-__all__ = ["chunk_logits", "compiled", "has_fp32_out_mm"]
+def options_of(function, options: dict) -> SimpleNamespace:
+    """`options` bound to `function`'s parameters with its defaults filled in (a name it does not take raises)."""
+    bound = inspect.signature(function).bind_partial(**options)
+    bound.apply_defaults()
+    return SimpleNamespace(**bound.arguments)
+
+
+__all__ = ["chunk_logits", "compiled", "has_fp32_out_mm", "options_of"]

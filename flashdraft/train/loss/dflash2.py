@@ -31,9 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from flashdraft.train.blocks import IGNORE_INDEX
-from flashdraft.train.loss.chunks import chunk_logits
+from flashdraft.train.loss.chunks import chunk_logits, options_of
 from flashdraft.train.loss.fused import dflash_loss
-from flashdraft.train.loss.objective import PAPER, Objective
 from flashdraft.train.loss.stats import LossStats, block_stats
 
 ABSENT = ("drop", "inject")
@@ -127,14 +126,9 @@ def dflash2_loss(
     prev: torch.Tensor,
     selector,
     *,
-    block_size: int,
     loss_weights: DFlash2Weights = DFlash2Weights(),
-    objective: Objective = PAPER,
-    teacher_hidden: torch.Tensor | None = None,
     offset: int = 0,
-    denominator: torch.Tensor | float | None = None,
-    chunk_size: int = 1024,
-    compile_chunks: bool | None = None,
+    **dflash_options,
 ) -> tuple[torch.Tensor, LossStats]:
     """The DFlash2 loss (module docstring) of a batch of packed blocks, never all logits at once.
 
@@ -144,32 +138,27 @@ def dflash2_loss(
         labels, weights: (B, Q) as `DraftBatch` makes them.
         prev: (B, Q) the true token before each label (`blocks.before_labels`: the anchor, then the labels).
         selector: the drafter's `CandidateSelector`.
-        loss_weights: α of the terms and the absent-label rule. objective, teacher_hidden, compile_chunks: the
-            DFlash term's (`dflash_loss`). offset: the batch's `DraftBatch.offset` (for the statistics).
-        denominator: default the objective's normaliser of this call; pass a whole step's total.
+        loss_weights: α of the terms and the absent-label rule. offset: the batch's `DraftBatch.offset` (for the
+            statistics).
+        dflash_options: the DFlash term's keyword options (`dflash_loss`'s: block_size, objective, teacher_hidden,
+            denominator, chunk_size, compile_chunks); the selector's term reads the same block_size, objective,
+            denominator (default the objective's normaliser of this call; pass a whole step's total) and chunk_size.
 
     Returns:
         (loss, `LossStats`): the stats' hits are the selector's teacher-forced picks.
     """
-    base, base_stats = dflash_loss(
-        hidden,
-        lm_head_weight,
-        labels,
-        weights,
-        block_size=block_size,
-        chunk_size=chunk_size,
-        denominator=denominator,
-        objective=objective,
-        teacher_hidden=teacher_hidden,
-        compile_chunks=compile_chunks,
-    )
+    base, base_stats = dflash_loss(hidden, lm_head_weight, labels, weights, **dflash_options)
+    shared = options_of(dflash_loss, dflash_options)
+    block_size, objective, chunk_size = shared.block_size, shared.objective, shared.chunk_size
     if prev.shape != labels.shape:
         raise ValueError(f"prev must be shaped like labels {tuple(labels.shape)}, got {tuple(prev.shape)}")
     labelled = labels != IGNORE_INDEX
     rows = labelled.view(-1).nonzero().squeeze(1)
     sum_dtype = torch.promote_types(torch.promote_types(weights.dtype, lm_head_weight.dtype), torch.float32)
     normaliser = objective.normaliser(labels, weights.to(sum_dtype), block_size)
-    denominator = normaliser if denominator is None else torch.as_tensor(denominator, device=labels.device)
+    denominator = (
+        normaliser if shared.denominator is None else torch.as_tensor(shared.denominator, device=labels.device)
+    )
     denominator = denominator.to(sum_dtype)
     denominator = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
     row_weights = weights.to(sum_dtype).reshape(-1)[rows]

@@ -7,16 +7,14 @@ training. Same arguments and return contract as `dflash_loss`: (loss, `LossStats
 
 from __future__ import annotations
 
-import inspect
-from types import SimpleNamespace
-
 import torch
 import torch.nn.functional as F
 
 from flashdraft.train.blocks import IGNORE_INDEX
+from flashdraft.train.loss.chunks import options_of
 from flashdraft.train.loss.dflash2 import dflash2_loss
 from flashdraft.train.loss.dspark import dspark_loss
-from flashdraft.train.loss.fused import check_loss_inputs
+from flashdraft.train.loss.fused import check_loss_inputs, dflash_loss
 from flashdraft.train.loss.objective import PAPER, Objective, labelled_blocks
 from flashdraft.train.loss.stats import LossStats, block_stats
 
@@ -97,10 +95,7 @@ def reference_dspark_loss(
     """`dspark_loss` written plainly from full (B, Q, V) logits with torch's own functions and autograd: what it
     must equal, for tests (in float64: pass float64 tensors). `options`: dspark_loss's keyword arguments, with its
     defaults (its chunking ones, chunk_size and compile_chunks, change nothing here)."""
-    # Bound to dspark_loss's own signature, so that the two take the same options with the same defaults.
-    bound = inspect.signature(dspark_loss).bind_partial(**options)
-    bound.apply_defaults()
-    options = SimpleNamespace(**bound.arguments)
+    options = options_of(dspark_loss, options)  # the same options with the same defaults
     dtype = torch.promote_types(torch.promote_types(hidden.dtype, lm_head_weight.dtype), torch.float32)
     labelled = labels != IGNORE_INDEX
     logits = hidden.to(dtype) @ lm_head_weight.to(dtype).t()
@@ -129,30 +124,14 @@ def reference_dspark_loss(
     return loss, stats
 
 
-def reference_dflash2_loss(
-    hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    labels: torch.Tensor,
-    weights: torch.Tensor,
-    prev: torch.Tensor,
-    selector,
-    **options,
-) -> tuple[torch.Tensor, LossStats]:
-    """`dflash2_loss` from full (B, Q, V) logits with autograd: `reference_loss` for the DFlash term, and the selector's
-    scores written from their formula with torch's cross-entropy over the candidates. `options`: dflash2_loss's
-    keyword arguments, with its defaults."""
-    bound = inspect.signature(dflash2_loss).bind_partial(**options)
-    bound.apply_defaults()
-    options = SimpleNamespace(**bound.arguments)
+def reference_dflash2_loss(hidden, lm_head_weight, labels, weights, prev, selector, **options):
+    """`dflash2_loss` (same arguments) from full (B, Q, V) logits with autograd: `reference_loss` for the DFlash
+    term, and the selector's scores written from their formula with torch's cross-entropy over the candidates."""
+    options = options_of(dflash2_loss, options)
+    base_options = options_of(dflash_loss, options.dflash_options)
+    names = ("block_size", "denominator", "objective", "teacher_hidden")
     base, base_stats = reference_loss(
-        hidden,
-        lm_head_weight,
-        labels,
-        weights,
-        block_size=options.block_size,
-        denominator=options.denominator,
-        objective=options.objective,
-        teacher_hidden=options.teacher_hidden,
+        hidden, lm_head_weight, labels, weights, **{name: getattr(base_options, name) for name in names}
     )
     dtype = torch.promote_types(torch.promote_types(hidden.dtype, lm_head_weight.dtype), torch.float32)
     labelled = labels != IGNORE_INDEX
@@ -169,15 +148,17 @@ def reference_dflash2_loss(
     pair = ((a_book[prev] * projected)[..., None, :] * b_book[ids]).sum(-1)
     scores = logits.gather(-1, ids) + pair
     ce = F.cross_entropy(scores.flatten(0, 1), slot.flatten(), reduction="none").view(labels.shape)
-    normaliser = options.objective.normaliser(labels, weights.to(dtype), options.block_size)
-    denominator = normaliser if options.denominator is None else torch.as_tensor(options.denominator, dtype=dtype)
+    normaliser = base_options.objective.normaliser(labels, weights.to(dtype), base_options.block_size)
+    denominator = (
+        normaliser if base_options.denominator is None else torch.as_tensor(base_options.denominator, dtype=dtype)
+    )
     denominator = denominator if denominator > 0 else torch.ones_like(denominator)
     selector_sum = torch.where(kept, weights.to(dtype) * ce, 0.0).sum()
     loss = options.loss_weights.base * base + options.loss_weights.selector * selector_sum / denominator
     with torch.no_grad():
         hits = (ids.gather(-1, scores.argmax(-1, keepdim=True))[..., 0] == labels) & labelled
         loss_sum = options.loss_weights.base * base_stats.loss_sum + options.loss_weights.selector * selector_sum
-        stats = block_stats(hits, labelled, loss_sum, base_stats.weight_sum, options.block_size, options.offset)
+        stats = block_stats(hits, labelled, loss_sum, base_stats.weight_sum, base_options.block_size, options.offset)
     return loss, stats
 
 
