@@ -2,9 +2,9 @@
 
 S3 fails fast (flashdraft.config.S3Config: `s3.connect_timeout`, `s3.read_timeout`, `s3.attempts`): botocore gets the
 timeouts and retries each request in its "standard" mode; s3fs's own retry loop, which would multiply those
-attempts, is turned off, and a transfer cut mid-body is read again here instead. An endpoint that never answers is
-reported within about attempts x read_timeout, naming the URL, the endpoint and the setting to raise. Messages show
-paths with any embedded credentials removed, and never a secret.
+attempts, is turned off, and a transfer cut or stalled mid-body is read again here instead. An endpoint that never
+answers is reported within about attempts x read_timeout, naming the URL, the endpoint and the setting to raise.
+Messages show paths with any embedded credentials removed, and never a secret.
 """
 
 from __future__ import annotations
