@@ -244,7 +244,7 @@ class FeatureStore:
         self.fs, self.root = _fs(url, s3)
         self.s3 = s3 or S3Config()
         self.attempts = self.s3.attempts
-        self.index = read_index(self.fs, self.root, url)
+        self.index = read_index(self.fs, self.root, url, self.s3)
         self.sums = self.index["checksums"]  # None: format 1, written without them
         self.final_hidden = bool(self.index.get("final_hidden", False))  # written before the field existed: no
         self.width = (len(self.index["target_layer_ids"]) + self.final_hidden) * int(self.index["hidden_size"])

@@ -135,7 +135,7 @@ def test_the_cli_reports_storage_that_keeps_failing_with_exit_2(proxy, tokenizer
 
 @pytest.fixture
 def remote_features(proxy, make_features, tmp_path, monkeypatch):
-    """(local FeatureStore, its copy on S3 read through the proxy)."""
+    """(local FeatureStore, its copy on S3 read through the proxy); features.json's first GET is cut off."""
     from flashdraft.data.features import FeatureStore
 
     client, bucket, front = proxy
@@ -143,7 +143,10 @@ def remote_features(proxy, make_features, tmp_path, monkeypatch):
     for path in sorted(p for p in Path(root).rglob("*") if p.is_file()):
         client.put_object(Bucket=bucket, Key=f"feat/{path.relative_to(root)}", Body=path.read_bytes())
     monkeypatch.setenv("AWS_ENDPOINT_URL", front.url)
-    return FeatureStore(root), FeatureStore(f"s3://{bucket}/feat", s3=S3)
+    front.plan = ["reset"]
+    remote = FeatureStore(f"s3://{bucket}/feat", s3=S3)
+    assert [g[2] for g in front.gets] == ["reset", None] and front.gets[0][0].endswith("feat/features.json")
+    return FeatureStore(root), remote
 
 
 def test_features_through_faults_read_each_sample_as_written(proxy, remote_features):
@@ -161,6 +164,8 @@ def test_features_through_faults_read_each_sample_as_written(proxy, remote_featu
 
 
 def test_features_past_the_attempts_are_a_data_error_naming_the_file(proxy, remote_features):
+    from flashdraft.data.features import FeatureStore
+
     _, bucket, front = proxy
     _, remote = remote_features
     front.gets.clear()
@@ -168,3 +173,6 @@ def test_features_past_the_attempts_are_a_data_error_naming_the_file(proxy, remo
     with pytest.raises(DataError, match=rf"s3://{bucket}/feat/.*: the transfer .* was cut off mid-body 3 times"):
         remote.sample(0)
     assert len(front.gets) == 3
+    front.plan = ["stall"] * 3
+    with pytest.raises(DataError, match=rf"s3://{bucket}/feat/features.json: the transfer .* stalled mid-body"):
+        FeatureStore(f"s3://{bucket}/feat", s3=S3)
