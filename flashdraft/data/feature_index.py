@@ -39,16 +39,25 @@ _INDEX_FIELDS = {
 }
 
 
-def read_index(fs, root: str, url: str) -> dict:
-    """features.json, checked field by field; DataError naming the file and the field."""
+def read_index(fs, root: str, url: str, s3=None) -> dict:
+    """features.json, checked field by field; DataError naming the file and the field. `s3`: the S3Config whose
+    attempts a transfer cut off is read again for (default its defaults)."""
+    from flashdraft.config import S3Config
+    from flashdraft.data.remote import fs_endpoint, is_remote_error, read_again_if_cut_off, remote_error
+
+    s3 = s3 or S3Config()
     where = f"{url.rstrip('/')}/{INDEX}"
     try:
-        raw = fs.cat_file(f"{root}/{INDEX}")
+        raw = read_again_if_cut_off(lambda: fs.cat_file(f"{root}/{INDEX}"), s3.attempts, where)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"data.features = {url}: no {INDEX} there (run `flashdraft features --out "
             f"{url}` first; the index is written last, so a cut-off run has none)"
         ) from None
+    except Exception as exc:
+        if not is_remote_error(exc):
+            raise
+        raise remote_error(exc, where, s3, fs_endpoint(fs)) from None
 
     def bad(what: str, field: str | None = None) -> DataError:
         return DataError(what, reason="unreadable_file", source=where, field=field, skippable=False)

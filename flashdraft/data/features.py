@@ -242,8 +242,9 @@ class FeatureStore:
         from flashdraft.config import S3Config
 
         self.fs, self.root = _fs(url, s3)
-        self.attempts = (s3 or S3Config()).attempts
-        self.index = read_index(self.fs, self.root, url)
+        self.s3 = s3 or S3Config()
+        self.attempts = self.s3.attempts
+        self.index = read_index(self.fs, self.root, url, self.s3)
         self.sums = self.index["checksums"]  # None: format 1, written without them
         self.final_hidden = bool(self.index.get("final_hidden", False))  # written before the field existed: no
         self.width = (len(self.index["target_layer_ids"]) + self.final_hidden) * int(self.index["hidden_size"])
@@ -361,7 +362,13 @@ class FeatureStore:
     def _read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes [start, end) of a file (all of it by default), read again when an object store cuts the transfer
         off."""
-        from flashdraft.data.remote import read_again_if_cut_off
+        from flashdraft.data.remote import fs_endpoint, is_remote_error, read_again_if_cut_off, remote_error
 
         path = f"{self.root}/{name}"
-        return read_again_if_cut_off(lambda: self.fs.cat_file(path, start=start, end=end), self.attempts, path)
+        try:
+            return read_again_if_cut_off(lambda: self.fs.cat_file(path, start=start, end=end), self.attempts, path)
+        except Exception as exc:
+            if not is_remote_error(exc):
+                raise
+            # Past the attempts: a DataError naming the file (exit 2), not the store's traceback.
+            raise remote_error(exc, self.where(name), self.s3, fs_endpoint(self.fs)) from None

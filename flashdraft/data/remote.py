@@ -2,9 +2,9 @@
 
 S3 fails fast (flashdraft.config.S3Config: `s3.connect_timeout`, `s3.read_timeout`, `s3.attempts`): botocore gets the
 timeouts and retries each request in its "standard" mode; s3fs's own retry loop, which would multiply those
-attempts, is turned off, and a transfer cut mid-body is read again here instead. An endpoint that never answers is
-reported within about attempts x read_timeout, naming the URL, the endpoint and the setting to raise. Messages show
-paths with any embedded credentials removed, and never a secret.
+attempts, is turned off, and a transfer cut or stalled mid-body is read again here instead. An endpoint that never
+answers is reported within about attempts x read_timeout, naming the URL, the endpoint and the setting to raise.
+Messages show paths with any embedded credentials removed, and never a secret.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ _CREDENTIAL_HINT = (
 _REMOTE_MODULES = ("botocore", "aiobotocore", "s3fs", "aiohttp")
 # Exceptions of a response body cut off mid-transfer (botocore retries requests, not the reading of their bodies).
 _CUT_OFF = {"ClientPayloadError", "IncompleteRead", "IncompleteReadError", "ResponseStreamingError"}
+# A body that stalls longer than read_timeout once its headers came (aiobotocore's name: a request that is never
+# answered is botocore's ReadTimeoutError, which botocore itself retries and must not be tried again here).
+_STALLED = {"AioReadTimeoutError"}
+_THROTTLED = ("SlowDown", "reduce your request rate", "ServiceUnavailable")
 _CONNECT = {"ConnectTimeoutError", "EndpointConnectionError", "ClientConnectorError", "ProxyConnectionError"}
 
 
@@ -69,9 +73,37 @@ def endpoint(given: str | None = None) -> str | None:
     return given or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
 
 
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from or while handling: s3fs and fsspec re-raise the store's errors
+    as OSError (a 503 SlowDown: "[Errno 16] Please reduce your request rate") or worse (a body that stalls: an
+    IndexError of s3fs's over fsspec's FSTimeoutError), with the original as the cause or context."""
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen and len(seen) < 8:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+def _names(exc: BaseException) -> set[str]:
+    return {c.__name__ for e in _chain(exc) for c in type(e).__mro__}
+
+
+def _transfer_fault(exc: BaseException) -> str | None:
+    """The name of the body cut off or stalled behind `exc` (None: not such a fault): what to read again."""
+    for e in _chain(exc):
+        names = {c.__name__ for c in type(e).__mro__}
+        if names & (_CUT_OFF | _STALLED):
+            return type(e).__name__
+    return None
+
+
 def is_remote_error(exc: BaseException) -> bool:
     """An error of the object store or the network under it (not of the data)."""
-    return any(c.__module__.startswith(_REMOTE_MODULES) for c in type(exc).__mro__) or isinstance(exc, TimeoutError)
+    return any(
+        c.__module__.startswith(_REMOTE_MODULES) or issubclass(c, TimeoutError)
+        for e in _chain(exc)
+        for c in type(e).__mro__
+    )
 
 
 def remote_error(
@@ -81,7 +113,8 @@ def remote_error(
     s3 = s3 or S3Config()
     name = type(exc).__name__
     text = redact(str(exc))
-    names = {c.__name__ for c in type(exc).__mro__}
+    names = _names(exc)
+    name = _transfer_fault(exc) or name  # the fault itself, not s3fs's wrapper of it
     where = f"the S3 endpoint {redact(endpoint_url)}" if endpoint_url else "S3 (no endpoint_url set: AWS itself)"
 
     def error(what: str) -> DataError:
@@ -93,6 +126,22 @@ def remote_error(
         return error(f"access denied ({name}): check the credentials and the bucket policy")
     if isinstance(exc, FileNotFoundError):
         return error("no such file, directory or bucket")
+    if any(t in str(e) for e in _chain(exc) for t in _THROTTLED):
+        return error(
+            f"{where} kept throttling (503 SlowDown) through {s3.attempts} attempts with back-off: read with fewer "
+            "workers, or raise s3.attempts (flashdraft prepare: --s3-attempts)"
+        )
+    if names & _STALLED:
+        return error(
+            f"the transfer from {where} stalled mid-body for more than s3.read_timeout = {s3.read_timeout:g} s, "
+            f"{s3.attempts} times ({name}): check the network, or raise s3.read_timeout / s3.attempts (flashdraft "
+            "prepare: --s3-read-timeout / --s3-attempts)"
+        )
+    if names & _CUT_OFF:
+        return error(
+            f"the transfer from {where} was cut off mid-body {s3.attempts} times ({name}): check the network, "
+            "or raise s3.attempts (flashdraft prepare: --s3-attempts)"
+        )
     if names & _CONNECT:
         return error(
             f"cannot connect to {where} ({name}, {s3.attempts} attempts of at most {s3.connect_timeout:g} "
@@ -120,12 +169,13 @@ def read_again_if_cut_off(read, attempts: int, what: str):
         try:
             return read()
         except Exception as exc:
-            if attempt == attempts or not {c.__name__ for c in type(exc).__mro__} & _CUT_OFF:
+            fault = _transfer_fault(exc)
+            if attempt == attempts or fault is None:
                 raise
             logger.warning(
                 "%s: transfer cut off (%s), reading again (attempt %d of %d)",
                 what,
-                type(exc).__name__,
+                fault,
                 attempt + 1,
                 attempts,
             )

@@ -212,6 +212,8 @@ class _Stream:
         self.raw, self.progress, self.f = raw, progress, f
 
     def read(self, n=-1):
+        # fsspec moves the position only when a read succeeds, so reading again asks for the same bytes (a ranged
+        # GET): a JSONL line cut mid-way resumes where it stopped, and no record is read twice or skipped.
         data = read_again_if_cut_off(lambda: self.raw.read(n), self.f.s3.attempts, self.f.url)
         if self.progress is not None and data:
             self.progress(len(data))
