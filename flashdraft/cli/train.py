@@ -54,13 +54,15 @@ def _run(args, cfg, console) -> int:
 
     from flashdraft import distributed
 
-    preflight(cfg, resume=args.resume)
+    resume = args.resume
+    preflight(cfg, resume=resume)
     from flashdraft.train.loop import train
 
-    with distributed.session(cfg.train.device, "train", output=cfg.log.out) as world:
+    timeout = cfg.train.collective_timeout_s
+    with distributed.session(cfg.train.device, "train", output=cfg.log.out, timeout_s=timeout) as world:
         if not world.is_main:
             console = Console(quiet=True)
-        result = train(cfg, resume=args.resume, console=console)
+        result = train(cfg, resume=resume, console=console)
         if not world.is_main:
             return EXIT_OK
     if result.stopped_by:
