@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
         "--resume",
         action="store_true",
         help="continue from the latest complete checkpoint in OUT (a run of the same config stopped before its first "
-        "checkpoint starts again from step 0)",
+        "checkpoint starts again from step 0); workers restarted by torchrun --max-restarts do this by themselves",
     )
     options.add_nproc_argument(p)
     # No --config: the bundled default (a CPU-sized run), not the paper-scale defaults of the dataclasses.
@@ -50,11 +50,15 @@ def execute(cfg, args) -> int:
 
 
 def _run(args, cfg, console) -> int:
+    from pathlib import Path
+
     from rich.console import Console
 
     from flashdraft import distributed
+    from flashdraft.train.resume import restarted
 
-    resume = args.resume
+    # A worker that torchrun restarted (--max-restarts) resumes by itself: it runs the command line of the first.
+    resume = args.resume or restarted(Path(cfg.log.out), cfg)
     preflight(cfg, resume=resume)
     from flashdraft.train.loop import train
 

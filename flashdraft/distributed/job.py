@@ -17,6 +17,8 @@ training step is split over the ranks, and the drafter and target sharded, is da
   ranks on other nodes that sit in a collective or work alone. A heartbeat through the same store stops the job
   when a rank's process is stopped or its node lost, naming that rank; a collective that fails for want of a rank
   (died: the connection closed; stopped: `train.collective_timeout_s`) ends in a RankFault naming it (faults.py).
+- Under `torchrun --max-restarts N` a restarted worker group continues from the last complete checkpoint
+  (flashdraft.train.resume.restarted); the store keys of each attempt are its own.
 """
 
 from __future__ import annotations
@@ -88,10 +90,15 @@ def session(
                 "at most one process per GPU (--nproc / --nproc-per-node), or set train.device=cpu"
             )
         torch.cuda.set_device(local_rank)
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Under this attempt's prefix of the job's store: torchrun keeps one store across its restarts (--max-restarts),
+    # and the process group of a restarted worker would otherwise read the addresses of the attempt before.
+    store = dist.PrefixStore("pg", _store(start, host=rank == 0))
     if use_cuda:
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=start)
+        device_id = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=size, timeout=start, device_id=device_id)
     else:
-        dist.init_process_group("gloo", timeout=start)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=start)
     here = world()
     _session = _Session(here, command, timeout_s)
     ok = False
@@ -149,11 +156,13 @@ def _ignore_sigterm() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _store(timeout: timedelta) -> dist.Store:
-    """A client of the job's TCP store of its own (torchrun's agent store, or rank 0's), under this run's prefix.
+def _store(timeout: timedelta, host: bool = False) -> dist.Store:
+    """A client of the job's TCP store of its own, under this attempt's prefix. torchrun's agent hosts the store;
+    under another launcher rank 0 does, in the client it makes with `host=True` (its process group's).
     `timeout`: the longest one request waits (a store that stops answering ends the watch)."""
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    client = dist.TCPStore(addr, port, is_master=host and not agent, wait_for_workers=False, timeout=timeout)
     run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"flashdraft/{run}/{restart}/", client)
