@@ -33,6 +33,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -214,11 +215,11 @@ def broadcast(value):
     return box[0]
 
 
-def launch(nproc: int, argv: list[str]) -> int:
-    """`flashdraft <argv> --nproc N`: run `torchrun --standalone --nproc-per-node N -m flashdraft <argv>` with the
-    NCCL variables of `NCCL_ENV` (unless already set); returns torchrun's exit status."""
-    import subprocess
-
+def launch(nproc: int, argv: list[str]) -> NoReturn:
+    """`flashdraft <argv> --nproc N`: become `torchrun --standalone --nproc-per-node N -m flashdraft <argv>`, with the
+    NCCL variables of `NCCL_ENV` (unless already set). Replaces this process (exec), so a signal sent to it (a
+    scheduler's SIGTERM, `timeout`, Ctrl-C) reaches torchrun, which passes it on to every rank; its exit status is
+    torchrun's."""
     if nproc < 1:
         raise ValueError(f"--nproc {nproc}: must be >= 1")
     env = {**NCCL_ENV, **os.environ}
@@ -232,4 +233,6 @@ def launch(nproc: int, argv: list[str]) -> int:
         "flashdraft",
         *argv,
     ]
-    return subprocess.call(cmd, env=env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, cmd, env)
