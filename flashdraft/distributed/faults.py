@@ -26,9 +26,11 @@ import time
 import traceback
 from pathlib import Path
 
-from flashdraft.cli.exit_codes import EXIT_CHECK_FAILED, EXIT_RANK_LOST
-
 POLL_SECONDS = 0.5
+# The exit codes of a rank that leaves because another failed (cli/exit_codes.py's, which this layer cannot import):
+# EXIT_CHECK_FAILED after another rank's error, EXIT_RANK_LOST after a rank died or stopped answering.
+EXIT_CHECK_FAILED = 1
+EXIT_RANK_LOST = 5
 ERROR_KEY = "error"
 _PACKAGE = Path(__file__).resolve().parents[1]
 _step: str | None = None

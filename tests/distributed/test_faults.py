@@ -6,6 +6,7 @@ import time
 
 import torch.distributed as dist
 
+from flashdraft.cli import exit_codes
 from flashdraft.distributed import faults
 
 
@@ -41,6 +42,13 @@ def test_the_rank_that_notices_a_silence_publishes_it_as_that_ranks_failure():
     assert message.startswith("it stopped answering: no heartbeat for 61 s")
     assert "train.collective_timeout_s = 60" in message
     assert not _watch(store, rank=1)._report({0: 61.0})  # a failure already published stays the one
+
+
+def test_the_exit_codes_are_the_clis():
+    assert (faults.EXIT_CHECK_FAILED, faults.EXIT_RANK_LOST) == (
+        exit_codes.EXIT_CHECK_FAILED,
+        exit_codes.EXIT_RANK_LOST,
+    )
 
 
 def test_other_errors_are_not_rank_faults():

@@ -190,7 +190,7 @@ def test_a_stopped_rank_stops_the_job_within_the_timeout_naming_it_and_nothing_i
             with contextlib.suppress(ProcessLookupError):
                 os.kill(_pid(marks, "stopped"), signal.SIGKILL)
 
-    rc, output = _job(_torchrun() + _train(out), env, during=end_the_stopped_rank)
+    rc, output = _job(_torchrun() + _train(out), env, timeout=120, during=end_the_stopped_rank)
     assert rc != 0, output[-4000:]
     # Rank 0's watch noticed the silence, or its collective timed out first: either way rank 1 and the operation
     # rank 0 was waiting in are named, TIMEOUT seconds after rank 1 stopped (its last beat may precede the stop by
