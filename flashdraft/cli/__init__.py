@@ -18,7 +18,8 @@ every field of every section.
 Exit codes: 0 success; 1 a check failed (e.g. doctor: fast path incomplete; prepare --verify: damaged data); 2 bad
 input or usage (the message names the file, line or field); 3 an unexpected internal error; 4 the output cannot be
 written (another run holds the output directory, or the disk, a quota or a file-size limit is full: the message
-names the path). A traceback is printed only with --debug.
+names the path); 5 a rank of a multi-process job died or stopped answering (the message names it); 128 + N stopped
+by signal N after a checkpoint (train: 143 for SIGTERM, 130 for Ctrl-C). A traceback is printed only with --debug.
 """
 
 from __future__ import annotations
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
+        if isinstance(getattr(exc, "exit_code", None), int):  # an expected fault with a code of its own (a lost rank)
+            print(f"flashdraft {args.command}{where}: error: {exc}", file=sys.stderr)
+            return exc.exit_code
         print(
             f"flashdraft {args.command}{where}: internal error: {type(exc).__name__}: {exc}\n(re-run with --debug for the traceback)",
             file=sys.stderr,

@@ -39,7 +39,12 @@ def execute(cfg, args) -> int:
         raise ValueError("features: where to? give --out DIR (local or s3://) or data.features=DIR")
     console = Console()
     # Rank 0 takes the lock before the process group exists; every rank checks it once the group is up.
-    with output_lock(out), distributed.session(cfg.train.device, "features", output=local_dir(out)) as here:
+    with (
+        output_lock(out),
+        distributed.session(
+            cfg.train.device, "features", output=local_dir(out), timeout_s=cfg.train.collective_timeout_s
+        ) as here,
+    ):
         if not here.is_main:
             console = Console(quiet=True)
         result = _write(cfg, out, console)

@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
         "--resume",
         action="store_true",
         help="continue from the latest complete checkpoint in OUT (a run of the same config stopped before its first "
-        "checkpoint starts again from step 0)",
+        "checkpoint starts again from step 0); workers restarted by torchrun --max-restarts do this by themselves",
     )
     options.add_nproc_argument(p)
     # No --config: the bundled default (a CPU-sized run), not the paper-scale defaults of the dataclasses.
@@ -50,17 +50,23 @@ def execute(cfg, args) -> int:
 
 
 def _run(args, cfg, console) -> int:
+    from pathlib import Path
+
     from rich.console import Console
 
     from flashdraft import distributed
+    from flashdraft.train.resume import restarted
 
-    preflight(cfg, resume=args.resume)
+    # A worker that torchrun restarted (--max-restarts) resumes by itself: it runs the command line of the first.
+    resume = args.resume or restarted(Path(cfg.log.out), cfg)
+    preflight(cfg, resume=resume)
     from flashdraft.train.loop import train
 
-    with distributed.session(cfg.train.device, "train", output=cfg.log.out) as world:
+    timeout = cfg.train.collective_timeout_s
+    with distributed.session(cfg.train.device, "train", output=cfg.log.out, timeout_s=timeout) as world:
         if not world.is_main:
             console = Console(quiet=True)
-        result = train(cfg, resume=args.resume, console=console)
+        result = train(cfg, resume=resume, console=console)
         if not world.is_main:
             return EXIT_OK
     if result.stopped_by:

@@ -225,6 +225,11 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     """A NaN/inf loss or gradient: stop (the run ends, naming the last good checkpoint) | skip (that step's update
     is dropped, counted and reported)."""
+    collective_timeout_s: float = 300.0
+    """Many processes (torchrun): the longest a rank waits for the others in one collective of a step (the process
+    group's timeout: gloo raises, NCCL's watchdog ends the process), and the longest a rank's heartbeat may be silent
+    (its process stopped or hung, its node lost) before the job stops with an error naming that rank. Waits on the
+    work of one rank alone (tokenising, evaluating, writing a checkpoint) are not bounded by it."""
     peak_tflops: float | None = None
     """Dense bf16 TFLOP/s of one GPU, the denominator of the logged MFU. null: from flashdraft's table of known GPUs
     (flashdraft/telemetry/flops.py); on a GPU missing from it MFU is reported as unknown."""
@@ -329,6 +334,7 @@ class RunConfig:
             ("train.grad_accum", self.train.grad_accum >= 1, "must be >= 1"),
             ("train.device", self.train.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
             ("train.on_nonfinite", self.train.on_nonfinite in ("stop", "skip"), "must be stop or skip"),
+            ("train.collective_timeout_s", self.train.collective_timeout_s > 0, "must be > 0 (seconds)"),
             ("train.attention", self.train.attention in ("auto", "flex", "sdpa"), "must be auto, flex or sdpa"),
             ("train.static_shapes", is_switch(self.train.static_shapes), "must be auto, true or false"),
             ("train.compile", is_switch(self.train.compile), "must be auto, true or false"),

@@ -187,6 +187,7 @@ def _capture(target, data, out: str, fs, root: str, here, sharded: bool, target_
     if here.size > 1:
         import torch.distributed as dist
 
+        ranks.barrier()  # ranks finish their shares at different times: wait through the store, not a collective
         everyone, all_sums = [None] * here.size, [None] * here.size
         dist.all_gather_object(everyone, files)
         dist.all_gather_object(all_sums, sums)

@@ -13,9 +13,12 @@ training step is split over the ranks, and the drafter and target sharded, is da
   group exists; `session(..., output=OUT)` has every rank check that the lock it sees is rank 0's, so a node that
   does not share OUT, or a second job on it, stops before anything is written.
 - An exception on any rank is written to the job's TCP store; every other rank polls it and exits at once, rank 0
-  printing the failing rank's message (`_ErrorWatch`). torchrun's own fail-fast does the same on one node; the
-  store also reaches ranks on other nodes that sit in an NCCL collective, which would otherwise wait for the NCCL
-  timeout (10 minutes).
+  printing the failing rank's message. torchrun's own fail-fast does the same on one node; the store also reaches
+  ranks on other nodes that sit in a collective or work alone. A heartbeat through the same store stops the job
+  when a rank's process is stopped or its node lost, naming that rank; a collective that fails for want of a rank
+  (died: the connection closed; stopped: `train.collective_timeout_s`) ends in a RankFault naming it (faults.py).
+- Under `torchrun --max-restarts N` a restarted worker group continues from the last complete checkpoint
+  (flashdraft.train.resume.restarted); the store keys of each attempt are its own.
 """
 
 from __future__ import annotations
@@ -23,18 +26,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
 import warnings
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from flashdraft.devices import resolve_device
-from flashdraft.distributed.ranks import World, world
+from flashdraft.distributed import faults, ranks
+from flashdraft.distributed.ranks import LONG_WAIT, World, world
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +48,9 @@ logger = logging.getLogger(__name__)
 # objects are not available on every machine (e.g. inside some VMs and containers) and failing to create them
 # aborts NCCL's init; the plain NVLink ring/tree paths are what data parallelism needs.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-POLL_SECONDS = 0.5
-EXIT_PEER_FAILED = 1
-# Long waits of the other ranks on rank 0 (tokenising the data, writing a checkpoint) use the store with this
-# bound, not a collective with the process group's timeout; a failure of rank 0 ends the wait through _ErrorWatch.
-LONG_WAIT = timedelta(days=7)
+# The process group's timeout while the ranks start (NCCL's default; loading takes each rank its own time): the
+# shorter train.collective_timeout_s holds from the end of the start on (`steady`).
+START_TIMEOUT = timedelta(minutes=10)
 
 
 def launched() -> bool:
@@ -58,12 +62,18 @@ _session: _Session | None = None
 
 
 @contextlib.contextmanager
-def session(device: str = "auto", command: str = "train", output: str | os.PathLike | None = None) -> Iterator[World]:
+def session(
+    device: str = "auto",
+    command: str = "train",
+    output: str | os.PathLike | None = None,
+    timeout_s: float = 300.0,
+) -> Iterator[World]:
     """The job's process group around a command: set up under torchrun, torn down after; a no-op otherwise.
 
     `device` is train.device (auto | cpu | cuda): NCCL when it resolves to a GPU, else gloo. Inside, non-zero ranks
     are quiet, and an exception on any rank stops every rank (the module docstring). `output`: the directory whose
-    lock rank 0 holds (flashdraft.io.lock.hold); every rank checks it before the body runs.
+    lock rank 0 holds (flashdraft.io.lock.hold); every rank checks it before the body runs. `timeout_s`:
+    train.collective_timeout_s, the heartbeat's limit at once and the collectives' from `steady()` on.
     """
     global _session
     if not launched() or _session is not None:
@@ -71,6 +81,7 @@ def session(device: str = "auto", command: str = "train", output: str | os.PathL
         return
     use_cuda = resolve_device(device, field="train.device").type == "cuda"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    start = max(START_TIMEOUT, timedelta(seconds=timeout_s))
     if use_cuda:
         if not torch.cuda.is_available():
             raise ValueError("train.device = cuda, but no CUDA device is available (use auto or cpu)")
@@ -80,11 +91,17 @@ def session(device: str = "auto", command: str = "train", output: str | os.PathL
                 "at most one process per GPU (--nproc / --nproc-per-node), or set train.device=cpu"
             )
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Under this attempt's prefix of the job's store: torchrun keeps one store across its restarts (--max-restarts),
+    # and the process group of a restarted worker would otherwise read the addresses of the attempt before.
+    store = dist.PrefixStore("pg", _store(start, host=rank == 0))
+    if use_cuda:
+        device_id = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=size, timeout=start, device_id=device_id)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=start)
     here = world()
-    _session = _Session(here, command)
+    _session = _Session(here, command, timeout_s)
     ok = False
     try:
         if output is not None:
@@ -92,35 +109,61 @@ def session(device: str = "auto", command: str = "train", output: str | os.PathL
         yield here
         ok = True
     except BaseException as exc:
-        _session.watch.publish(exc)
+        _ignore_sigterm()
+        fault = faults.explain(exc, _session.watch, timeout_s)
+        _session.watch.publish(fault or exc)
+        if fault is not None:
+            raise fault from None
         raise
     finally:
         state, _session = _session, None
         state.close(ok)
 
 
+def steady() -> None:
+    """The ranks have started (collective): every rank waits for the others through the store, then each collective
+    waits at most train.collective_timeout_s. No-op in one process."""
+    if _session is None or _session.world.size == 1:
+        return
+    ranks.barrier()
+    dist.set_timeout(timedelta(seconds=_session.timeout_s))
+
+
 class _Session:
-    def __init__(self, here: World, command: str) -> None:
-        self.world = here
-        self.store = _store()
-        self.watch = _ErrorWatch(self.store, here, command)
+    def __init__(self, here: World, command: str, timeout_s: float) -> None:
+        self.world, self.timeout_s = here, timeout_s
+        self.store = _store(timedelta(seconds=max(timeout_s, 30)))
+        self.watch = faults.Watch(self.store, here.rank, here.size, command, timeout_s)
         self.waits = 0
+        ranks.attach(self.store)
         if not here.is_main:
             _quiet()
         self.watch.start()
 
     def close(self, ok: bool) -> None:
         self.watch.stop()
+        ranks.attach(None)
+        faults.note(None)
         # No barrier first: rank 0 may still be decoding alone (measured τ) after the last collective. After a
         # failure the group is left to the process exit: destroying it could wait on a peer that is gone.
         if ok:
             dist.destroy_process_group()
 
 
-def _store() -> dist.Store:
-    """A client of the job's TCP store of its own (torchrun's agent store, or rank 0's), under this run's prefix."""
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(minutes=5))
+def _ignore_sigterm() -> None:
+    """On a failure, torchrun stops the other ranks with SIGTERM at once: let this rank first say why (torchrun sends
+    SIGKILL after its --shutdown-timeout)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _store(timeout: timedelta, host: bool = False) -> dist.Store:
+    """A client of the job's TCP store of its own, under this attempt's prefix. torchrun's agent hosts the store;
+    under another launcher rank 0 does, in the client it makes with `host=True` (its process group's).
+    `timeout`: the longest one request waits (a store that stops answering ends the watch)."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    client = dist.TCPStore(addr, port, is_master=host and not agent, wait_for_workers=False, timeout=timeout)
     run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"flashdraft/{run}/{restart}/", client)
@@ -134,57 +177,6 @@ def _quiet() -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-
-
-class _ErrorWatch:
-    """The first failing rank writes "rank<TAB>message" to the store key `error`; every rank polls that key in a
-    daemon thread and, when another rank failed, exits the process at once (rank 0 printing the message first)."""
-
-    KEY = "error"
-
-    def __init__(self, store: dist.Store, here: World, command: str) -> None:
-        self.store, self.world, self.command = store, here, command
-        self.failed = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="flashdraft-error-watch", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def publish(self, exc: BaseException) -> None:
-        self.failed = True  # before the write: this rank's own watcher must not exit before the CLI prints
-        message = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError | OSError) else str(exc)
-        if isinstance(exc, KeyboardInterrupt):
-            message = "interrupted"
-        try:
-            self.store.compare_set(self.KEY, "", f"{self.world.rank}\t{message}")
-        except Exception as err:  # the store is gone: torchrun's fail-fast still stops the others
-            logger.error("could not tell the other ranks about the failure: %s", err)
-
-    def _run(self) -> None:
-        while not self._stop.wait(POLL_SECONDS):
-            try:
-                if not self.store.check([self.KEY]):
-                    continue
-                rank, _, message = self.store.get(self.KEY).decode().partition("\t")
-            except Exception as err:
-                if self._stop.is_set():
-                    return
-                rank, message = "?", f"lost contact with the job's store ({type(err).__name__}: {err})"
-            if self.failed or self._stop.is_set():
-                return
-            if self.world.is_main:
-                print(
-                    f"flashdraft {self.command}: stopping every rank: rank {rank} failed: {message}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            sys.stdout.flush()
-            os._exit(EXIT_PEER_FAILED)
 
 
 def check_output_lock(directory: str | os.PathLike) -> None:
@@ -223,11 +215,11 @@ def broadcast(value):
     return box[0]
 
 
-def launch(nproc: int, argv: list[str]) -> int:
-    """`flashdraft <argv> --nproc N`: run `torchrun --standalone --nproc-per-node N -m flashdraft <argv>` with the
-    NCCL variables of `NCCL_ENV` (unless already set); returns torchrun's exit status."""
-    import subprocess
-
+def launch(nproc: int, argv: list[str]) -> NoReturn:
+    """`flashdraft <argv> --nproc N`: become `torchrun --standalone --nproc-per-node N -m flashdraft <argv>`, with the
+    NCCL variables of `NCCL_ENV` (unless already set). Replaces this process (exec), so a signal sent to it (a
+    scheduler's SIGTERM, `timeout`, Ctrl-C) reaches torchrun, which passes it on to every rank; its exit status is
+    torchrun's."""
     if nproc < 1:
         raise ValueError(f"--nproc {nproc}: must be >= 1")
     env = {**NCCL_ENV, **os.environ}
@@ -241,4 +233,6 @@ def launch(nproc: int, argv: list[str]) -> int:
         "flashdraft",
         *argv,
     ]
-    return subprocess.call(cmd, env=env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, cmd, env)

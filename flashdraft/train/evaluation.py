@@ -21,8 +21,8 @@ OUT/heldout.json, so a resumed run scores the same rows. Each evaluation gives:
   (`data.features`) and with a sharded target; loss and τ are thus about the same text.
 - `heldout_prompts`: how many prompts.
 
-Under torchrun every rank gathers the (sharded) drafter and rank 0 alone scores it while the others go on to the
-next step's collectives and wait there. On a GPU the decoding engine runs from CUDA graphs captured once per run:
+Under torchrun every rank gathers the (sharded) drafter and rank 0 alone scores it while the others wait for it
+in a barrier through the job's store (not in a collective, whose timeout is train.collective_timeout_s). On a GPU the decoding engine runs from CUDA graphs captured once per run:
 it is sized for the longest prompt at the first evaluation, and the bf16 copy of the drafter it decodes with is
 refreshed in place (same tensors, new values) at each one, so every later evaluation replays the same graphs.
 """
@@ -39,6 +39,7 @@ import torch
 from flashdraft import bundled
 from flashdraft.config import RunConfig
 from flashdraft.devices import autocast
+from flashdraft.distributed import ranks
 from flashdraft.distributed.data_parallel import gather_drafter
 from flashdraft.drafter import DFlashDraftModel, select_context_features
 from flashdraft.io.atomic import atomic_write_text
@@ -84,12 +85,16 @@ class Evaluator:
 
     def evaluate(self) -> dict | None:
         """{"heldout_loss", "heldout_sim_tau", "tau", "heldout_prompts"} of the drafter as it is now, on rank 0;
-        None on the other ranks and without held-out prompts. Collective under torchrun: every rank calls it."""
+        None on the other ranks and without held-out prompts. Collective under torchrun: every rank calls it, and
+        the others wait for rank 0 through the job's store (no collective timeout: decoding may take minutes)."""
         if not self.enabled:
             return None
         drafter = gather_drafter(self.s.drafter)
-        if drafter is None:
-            return None
+        scores = self._score(drafter) if drafter is not None else None
+        ranks.barrier()
+        return scores
+
+    def _score(self, drafter: DFlashDraftModel) -> dict:
         self._load()
         drafter.eval()
         try:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.config import RunConfig, to_dict
-from flashdraft.distributed import data_parallel
+from flashdraft.distributed import data_parallel, faults, job
 from flashdraft.distributed.ranks import world
 from flashdraft.distributed.stop import GracefulStop
 from flashdraft.io.atomic import atomic_write_text
@@ -54,6 +54,7 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
     _write_config(out, cfg)
     cfg = copy.deepcopy(cfg)  # the run's own copy: setup decides its `auto` compile switches in it
     s = setup(cfg, out, console, timer)
+    job.steady()  # the ranks leave their start together; from here on a collective waits train.collective_timeout_s
     optimizer = build_optimizer(s.drafter.parameters(), cfg.optim, s.device)
     scheduler = build_scheduler(optimizer, cfg.optim, s.total_steps)
     checkpoints = CheckpointManager(out, keep=cfg.log.keep_checkpoints)
@@ -77,6 +78,7 @@ def train(cfg: RunConfig, resume: bool = False, console=None) -> TrainResult:
         timer.lap()
         done = start
         for step in range(start, s.total_steps):
+            faults.note(f"step {step + 1}")
             with timer.phase("first step") if step == start else contextlib.nullcontext():
                 stats, tokens, finite = train_step(s, cfg, optimizer, next(s.batches))
             if step == start:

@@ -2,6 +2,7 @@
 and data loader states), or from step 0 again when OUT holds this same run's config but no checkpoint yet (a job
 stopped before its first one, restarted with its command line).
 
+    resume = args.resume or restarted(out, cfg)                    # torchrun --max-restarts: resume by itself
     restart = resume and restart_without_checkpoint(out, cfg)      # before config.json is written
     start, checkpoint = resume_point(resume, restart, checkpoints, s, optimizer, scheduler)
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 from flashdraft.config import RunConfig, to_dict
@@ -37,6 +39,21 @@ def resume_point(resume: bool, restart: bool, checkpoints: CheckpointManager, s,
     s.batches.load_state_dict(state.get("data", {"step": state["step"]}))
     logger.info("resumed from %s (step %d)", latest, state["step"])
     return state["step"], latest
+
+
+def restarted(out: Path, cfg: RunConfig) -> bool:
+    """Whether this worker was restarted by torchrun (`--max-restarts`: TORCHELASTIC_RESTART_COUNT > 0) after its
+    job started this run in OUT: then it goes on as with `--resume`, from the newest complete checkpoint (or from
+    step 0 when the run had written none). False when the earlier attempt stopped before it wrote its config: the
+    run then starts as launched."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
+        return False
+    if CheckpointManager(out).checkpoints():
+        return True
+    try:
+        return restart_without_checkpoint(out, cfg)
+    except FileNotFoundError:
+        return False
 
 
 def restart_without_checkpoint(out: Path, cfg: RunConfig) -> bool:

@@ -7,8 +7,6 @@ way round; the exported drafter is the same bytes whichever number of ranks wrot
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from flashdraft.train import loop, setup
 from flashdraft.train.checkpoint import CheckpointManager
 from flashdraft.train.optim import build_optimizer, build_scheduler
 from tests import SHIPPED_DRAFTER
-from tests.distributed.torchrun import RUN, run_env, torchrun
+from tests.distributed.torchrun import RUN, torchrun
 
 pytestmark = pytest.mark.slow
 # The sums of a step run in another order (gradients accumulated in .grad vs reduce-scattered, stats all-reduced):
@@ -55,21 +53,6 @@ def one_proc(tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
     loop.train(_cfg(out, "train.grad_accum=2"))
     return out
-
-
-@pytest.fixture(scope="module")
-def two_procs(tmp_path_factory):
-    """Launched by `flashdraft train --nproc 2` (torchrun underneath)."""
-    out = tmp_path_factory.mktemp("two")
-    run = subprocess.run(
-        [sys.executable, "-m", "flashdraft", "train", "--nproc", "2", "--out", str(out), *RUN],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=run_env(),
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return out, run
 
 
 def test_two_processes_give_the_losses_of_one(one_proc, two_procs):

@@ -7,23 +7,13 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.distributed.torchrun import RUN, run_env, torchrun
+from tests.distributed.torchrun import RUN, run_env, site, torchrun
 
 pytestmark = pytest.mark.slow
-
-
-def _site(tmp_path: Path, code: str) -> Path:
-    """A directory with a sitecustomize.py running `code` at the start of every worker (it reads RANK)."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text("import os\nRANK = os.environ.get('RANK')\n" + textwrap.dedent(code))
-    return site
 
 
 FAIL_IN_STEP_ON_RANK_1 = """
@@ -38,7 +28,7 @@ FAIL_IN_STEP_ON_RANK_1 = """
 
 
 def test_an_error_on_rank_1_stops_every_rank_with_its_message(tmp_path):
-    env = run_env(_site(tmp_path, FAIL_IN_STEP_ON_RANK_1))
+    env = run_env(site(tmp_path, FAIL_IN_STEP_ON_RANK_1))
     start = time.monotonic()
     run = torchrun(["train", "--out", str(tmp_path / "run"), *RUN], env=env, timeout=120)
     assert run.returncode != 0
@@ -76,7 +66,7 @@ def test_a_failure_on_another_node_stops_a_rank_that_is_not_in_a_collective(tmp_
     rank 0 works alone, in no collective, on the other node: torchrun's fail-fast stops only the failing node's
     processes, and no collective is there to fail. The error watch stops rank 0 within seconds, and it prints
     rank 1's message."""
-    env = run_env(_site(tmp_path, FAIL_ON_RANK_1_WHILE_RANK_0_WORKS))
+    env = run_env(site(tmp_path, FAIL_ON_RANK_1_WHILE_RANK_0_WORKS))
     port = _free_port()
     common = [
         sys.executable,

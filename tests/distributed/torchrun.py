@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 from tests import SHIPPED_DRAFTER
@@ -41,3 +42,29 @@ def torchrun(args: list[str], nproc: int = 2, env: dict | None = None, timeout: 
         *args,
     ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or run_env())
+
+
+def site(tmp_path: Path, code: str) -> Path:
+    """A directory with a sitecustomize.py running `code` at the start of every worker (it reads RANK)."""
+    directory = tmp_path / "site"
+    directory.mkdir()
+    (directory / "sitecustomize.py").write_text("import os\nRANK = os.environ.get('RANK')\n" + textwrap.dedent(code))
+    return directory
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of every process below `pid` (Linux /proc), children first."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        below = [p for p, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return found

@@ -80,6 +80,7 @@ def _verify_once(path: Path, entries: dict, names: list[str]) -> None:
             check_hashes(path, entries, names)
         except CheckpointError as exc:
             error = str(exc)
+    ranks.barrier()  # while rank 0 hashes, the others wait through the store, not in a collective
     box = [error]
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:

@@ -123,8 +123,9 @@ class CheckpointManager:
                 if main:
                     shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            # Nobody goes on (and e.g. saves again, or resumes from it) before the checkpoint is published.
-            dist.barrier()
+            # Nobody goes on (and e.g. saves again, or resumes from it) before the checkpoint is published; through the
+            # store, as rank 0 alone hashes and installs it.
+            ranks.barrier()
             if main:
                 self._write_pointer(final.name)
                 self._prune(step, held)
@@ -201,6 +202,7 @@ class CheckpointManager:
             import torch.distributed as dist
 
             box = [self._latest() if dist.get_rank() == 0 else None]
+            ranks.barrier()  # while rank 0 hashes, the others wait through the store, not in a collective
             dist.broadcast_object_list(box, src=0)
             return box[0]
         return self._latest()
