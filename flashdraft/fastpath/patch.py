@@ -82,8 +82,9 @@ def _originals(module) -> dict[str, object]:
     return _ORIGINAL_GLOBALS[module.__name__]
 
 
-class _OriginalView:
-    """The module as it was before flashdraft patched it (for finding its torch fallbacks)."""
+class Unpatched:
+    """The module as it was before flashdraft patched it (for finding its torch fallbacks): a process that patched a
+    model once keeps the module patched, and the fallbacks must never be the patched calls themselves."""
 
     def __init__(self, module):
         self._module, self._saved = module, _originals(module)
@@ -105,7 +106,7 @@ def patch_model(model: torch.nn.Module, conv_backend: str = "auto") -> str | Non
     for _, layer in layers:
         module = modeling_module(layer)
         if module.__name__ not in backends_by_module:
-            backends_by_module[module.__name__] = make_backends(torch_fallbacks(_OriginalView(module)), conv_backend)
+            backends_by_module[module.__name__] = make_backends(torch_fallbacks(Unpatched(module)), conv_backend)
         backends = backends_by_module[module.__name__]
         generation = generation_of(layer)
         for op, (owner, name) in entry_points(layer).items():

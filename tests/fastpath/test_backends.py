@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashdraft.fastpath import backends, record
-from flashdraft.fastpath.patch import linear_attention_layers, modeling_module
+from flashdraft.fastpath.patch import Unpatched, linear_attention_layers, modeling_module
 from flashdraft.target.tiny import random_tiny_model
 
 
@@ -24,7 +24,8 @@ def chunk_rule(monkeypatch):
     monkeypatch.setattr(backends, "fla_chunk_backward_problem", lambda: "fallback: fla #640 stand-in")
     model = random_tiny_model("qwen3_5", num_layers=4)
     layer = linear_attention_layers(model)[0][1]
-    fns = backends.make_backends(backends.torch_fallbacks(modeling_module(layer)))
+    # Unpatched: an earlier test in this process may have patched the module (its calls are then ours).
+    fns = backends.make_backends(backends.torch_fallbacks(Unpatched(modeling_module(layer))))
     return fns[backends.CHUNK_RULE], calls
 
 
