@@ -194,10 +194,10 @@ def test_a_stopped_rank_stops_the_job_within_the_timeout_naming_it_and_nothing_i
     assert rc != 0, output[-4000:]
     # Rank 0's watch noticed the silence, or its collective timed out first: either way rank 1 and the operation
     # rank 0 was waiting in are named, TIMEOUT seconds after rank 1 stopped (its last beat may precede the stop by
-    # a poll, 0.5 s).
+    # a poll, 0.5 s; the upper bound leaves room for a loaded 2-core machine, far below NCCL's 10 minutes).
     assert re.search(r"rank 1 (failed: it )?stopped answering: no heartbeat for \d+ s", output), output[-4000:]
     assert "(from flashdraft/train/checkpoint/save.py:write_sharded, step 4)" in output, output[-4000:]
-    assert TIMEOUT - 1 <= _when(marks, "left") - _when(marks, "stopped") < TIMEOUT + 8, output[-4000:]
+    assert TIMEOUT - 1 <= _when(marks, "left") - _when(marks, "stopped") < TIMEOUT + 25, output[-4000:]
     assert _checkpoints(out) == [2]
     assert CheckpointManager(out).latest() == CheckpointManager(out).path_for(2)
 
