@@ -13,7 +13,9 @@ from flashdraft.train import dataloader
 from flashdraft.train.dataloader import DataLoader, collate, pad_positions
 
 CPU = torch.device("cpu")
-DRAFTER = SimpleNamespace(block_size=8, mask_token_id=999)
+DRAFTER = SimpleNamespace(
+    block_size=8, mask_token_id=999, draft_offset=0
+)  # a DFlash drafter: the anchor slot drafts nothing
 
 
 class _Data:
