@@ -215,24 +215,20 @@ def broadcast(value):
     return box[0]
 
 
+def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
+    """`torchrun --standalone --nproc-per-node N -m flashdraft <argv>`, run by this Python."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return [*torchrun, "-m", "flashdraft", *argv]
+
+
 def launch(nproc: int, argv: list[str]) -> NoReturn:
-    """`flashdraft <argv> --nproc N`: become `torchrun --standalone --nproc-per-node N -m flashdraft <argv>`, with the
-    NCCL variables of `NCCL_ENV` (unless already set). Replaces this process (exec), so a signal sent to it (a
-    scheduler's SIGTERM, `timeout`, Ctrl-C) reaches torchrun, which passes it on to every rank; its exit status is
-    torchrun's."""
+    """`flashdraft <argv> --nproc N`: become `torchrun_command(N, argv)`, with the NCCL variables of `NCCL_ENV`
+    (unless already set). Replaces this process (exec), so a signal sent to it (a scheduler's SIGTERM, `timeout`,
+    Ctrl-C) reaches torchrun, which passes it on to every rank; its exit status is torchrun's."""
     if nproc < 1:
         raise ValueError(f"--nproc {nproc}: must be >= 1")
     env = {**NCCL_ENV, **os.environ}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "flashdraft",
-        *argv,
-    ]
+    cmd = torchrun_command(nproc, argv)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, cmd, env)

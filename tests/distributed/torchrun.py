@@ -2,10 +2,10 @@
 
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
+from flashdraft.distributed import job
 from tests import SHIPPED_DRAFTER
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,16 +31,7 @@ def run_env(extra_path: Path | None = None) -> dict:
 
 
 def torchrun(args: list[str], nproc: int = 2, env: dict | None = None, timeout: int = 300):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "flashdraft",
-        *args,
-    ]
+    cmd = job.torchrun_command(nproc, args)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or run_env())
 
 
