@@ -55,6 +55,9 @@ class Watch:
         self.store, self.rank, self.size, self.command, self.silence_s = store, rank, size, command, silence_s
         self.failed = False
         self.main = threading.get_ident()  # the thread whose stack says what this rank is doing
+        # The stack of the collective that failed, while the main thread explains it (`explain` waits a second and
+        # more): what this rank was doing, which the watch must report rather than the explaining code's frames.
+        self.failed_call: list[traceback.FrameSummary] | None = None
         now = time.monotonic()
         # The counters this rank follows: (value, when it last moved on this host's clock); none moved yet.
         self.seen = {r: (-1, now) for r in (range(size) if rank == 0 else [0]) if r != rank}
@@ -132,8 +135,8 @@ class Watch:
         """Publish the silence of `silent` as the failure of its first rank; whether this rank's word was the one
         stored (another failure may have come first)."""
         rank, seconds = min(silent.items())
-        frame = sys._current_frames().get(self.main)
-        waiting = doing(_stack(frame), self.rank)
+        frames = self.failed_call or _stack(sys._current_frames().get(self.main))
+        waiting = doing(frames, self.rank)
         message = (
             f"it stopped answering: no heartbeat for {seconds:.0f} s (its process stopped or hung, or its node lost; "
             f"train.collective_timeout_s = {self.silence_s:g}){f'; {waiting}' if waiting else ''}"
@@ -150,9 +153,12 @@ def explain(exc: BaseException, watch: Watch | None, timeout_s: float) -> RankFa
         return None
     text = str(failed)
     timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+    call = _stack(failed.__traceback__)
+    if watch is not None:
+        watch.failed_call = call
     quiet = watch.quiet(3 * POLL_SECONDS) if watch is not None else {}
     rank = watch.rank if watch is not None else int(os.environ.get("RANK", 0))
-    what = doing(_stack(failed.__traceback__), rank, waiting=False) or f"rank {rank}'s collective"
+    what = doing(call, rank, waiting=False) or f"rank {rank}'s collective"
     if not quiet:
         head = (
             "no rank is silent: every rank's process still answers (one may wait in another collective, or the "

@@ -54,3 +54,37 @@ def test_the_exit_codes_are_the_clis():
 def test_other_errors_are_not_rank_faults():
     assert faults.explain(ValueError("bad input"), None, 5) is None
     assert faults.explain(RuntimeError("a plain runtime error"), None, 5) is None
+
+
+def _failed_collective_in(function: str, module: str) -> BaseException:
+    """A collective's timeout as torch raises it, from `module`:`function` of flashdraft (code compiled under those
+    file names, so that its traceback reads as the real one's)."""
+    c10d = "/site-packages/torch/distributed/distributed_c10d.py"
+    ours = str(faults._PACKAGE / module)
+    namespace = {"DistError": dist.DistError}
+    exec(
+        compile("def gather_object():\n    raise DistError('gloo: timed out after 5000ms')\n", c10d, "exec"), namespace
+    )
+    exec(compile(f"def {function}():\n    gather_object()\n", ours, "exec"), namespace)
+    try:
+        namespace[function]()
+    except dist.DistError as exc:
+        return exc
+    raise AssertionError("the collective did not fail")
+
+
+def test_a_silence_noticed_while_a_failed_collective_is_explained_names_the_collective_not_the_explaining():
+    # The collective's timeout and the silence of the rank it waited for come due together: the watch may report
+    # while the main thread is in `explain`, whose frames say nothing of what this rank was doing.
+    store = dist.HashStore()
+    watch = _watch(store, rank=0, size=2)
+    failed = _failed_collective_in("write_sharded", "train/checkpoint/save.py")
+    reported = []
+    noticing = threading.Timer(0.5, lambda: reported.append(watch._report({1: 61.0})))
+    noticing.start()
+    fault = faults.explain(failed, watch, 60)  # rank 1 never beats: quiet for the whole window
+    noticing.join()
+    assert reported == [True]
+    message = store.get(faults.ERROR_KEY).decode().split("\t", 2)[2]
+    assert "rank 0 was waiting in gather_object (from flashdraft/train/checkpoint/save.py:write_sharded)" in message
+    assert "rank 1 stopped answering" in str(fault) and "rank 0's gather_object" in str(fault)
