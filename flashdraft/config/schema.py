@@ -248,6 +248,10 @@ class LogConfig:
     eval_every: int = 0
     """Measure real τ (greedy speculative decoding of data.eval_prompts, data.eval_limit prompts) every N steps, as
     `tau` in that step's metrics; a multiple of log.every. 0: only once, at the end. Loads the full target once."""
+    heldout_every: int = 0
+    """Score the held-out loss and simulated τ every N steps besides (one forward pass of the held-out rows, far
+    cheaper than decoding them), so the curve shows their course between the measured τ; a multiple of log.every.
+    0: only with each measured τ."""
     trackers: list[str] = field(default_factory=list)
     """Optional trackers: wandb, tensorboard, trackio. A tracker named here must be installed (the run refuses to
     start otherwise)."""
@@ -367,6 +371,11 @@ class RunConfig:
                 "log.eval_every",
                 self.log.eval_every >= 0 and self.log.eval_every % self.log.every == 0,
                 f"must be 0 or a multiple of log.every ({self.log.every}): τ is reported in that step's metrics",
+            ),
+            (
+                "log.heldout_every",
+                self.log.heldout_every >= 0 and self.log.heldout_every % self.log.every == 0,
+                f"must be 0 or a multiple of log.every ({self.log.every}): the scores are in that step's metrics",
             ),
             *family_checks(self),
             *command_checks(self, COMMAND_CHOICES),

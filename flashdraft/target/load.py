@@ -122,11 +122,9 @@ def load_frozen_target(
             f"target {directory} does not fit its config: missing weights {missing[:8]}, "
             f"mismatched shapes {mismatched[:8]}"
         )
-    logger.info(
-        "target %s: %d checkpoint tensors of dropped layers not loaded",
-        cfg.path,
-        len(info.get("unexpected_keys") or []),
-    )
+    skipped = len(info.get("unexpected_keys") or [])
+    if skipped:
+        logger.info("target %s: %d checkpoint tensors of dropped layers not loaded", cfg.path, skipped)
     target = FrozenTarget(model, ids, config=full_config, strict=strict, final_hidden=final_hidden)
     target.name_or_path = str(cfg.path)
     return target

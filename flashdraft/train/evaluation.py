@@ -3,6 +3,7 @@ end of a run, on a fixed held-out set: what a run changed is the difference.
 
     evaluator = Evaluator(cfg, s, out)         # evaluator.enabled: whether the run has held-out prompts
     scores = evaluator.evaluate()              # collective; rank 0 gets the scores, the other ranks None
+    scores = evaluator.evaluate(measure=False) # the held-out loss alone (`log.heldout_every`): no decoding
 
 The held-out set is `data.eval_prompts` (the first `data.eval_limit`; `bundled` with the bundled training data
 only) and, for the loss, each prompt followed by the target's own greedy continuation of it
@@ -83,22 +84,25 @@ class Evaluator:
     def enabled(self) -> bool:
         return self.path is not None
 
-    def evaluate(self) -> dict | None:
-        """{"heldout_loss", "heldout_sim_tau", "tau", "heldout_prompts"} of the drafter as it is now, on rank 0;
-        None on the other ranks and without held-out prompts. Collective under torchrun: every rank calls it, and
-        the others wait for rank 0 through the job's store (no collective timeout: decoding may take minutes)."""
+    def evaluate(self, measure: bool = True) -> dict | None:
+        """{"heldout_loss", "heldout_sim_tau", "tau", "heldout_prompts"} of the drafter as it is now, on rank 0
+        (`measure=False`: without "tau", when the held-out rows exist already); None on the other ranks and without
+        held-out prompts. Collective under torchrun: every rank calls it, and the others wait for rank 0 through the
+        job's store (no collective timeout: decoding may take minutes)."""
         if not self.enabled:
             return None
         drafter = gather_drafter(self.s.drafter)
-        scores = self._score(drafter) if drafter is not None else None
+        scores = self._score(drafter, measure) if drafter is not None else None
         ranks.barrier()
         return scores
 
-    def _score(self, drafter: DFlashDraftModel) -> dict:
+    def _score(self, drafter: DFlashDraftModel, measure: bool) -> dict:
         self._load()
         drafter.eval()
+        tau = None
         try:
-            tau, continuations = self.measure_tau(drafter)
+            if measure or self.rows is None:  # the rows' continuations come from the first decoding
+                tau, continuations = self.measure_tau(drafter)
             if self.rows is None:
                 self.rows = [
                     (p.input_ids.reshape(-1).tolist(), c) for p, c in zip(self.prompts, continuations, strict=True)
@@ -108,12 +112,8 @@ class Evaluator:
         finally:
             drafter.train()
         loss = float(stats.loss_sum / stats.weight_sum.clamp(min=1e-12))
-        return {
-            "heldout_loss": loss,
-            "heldout_sim_tau": float(stats.tau()),
-            "tau": tau,
-            "heldout_prompts": len(self.rows),
-        }
+        scores = {"heldout_loss": loss, "heldout_sim_tau": float(stats.tau()), "heldout_prompts": len(self.rows)}
+        return scores | ({"tau": tau} if tau is not None else {})
 
     # ---- measured τ ------------------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from flashdraft import bundled
 from flashdraft.config import load_config, to_dict
 from flashdraft.target import load_causal_lm
-from flashdraft.telemetry.metrics import describe_before_after
+from flashdraft.telemetry.metrics import before_after, describe_before_after
 from flashdraft.train import forward, loop
 from flashdraft.train.dataloader import DataLoader
 from tests import SHIPPED_DRAFTER
@@ -52,7 +52,7 @@ def _losses(out):
 def _scores(out):
     """The evaluations' scores of each evaluated step."""
     keys = ("heldout_loss", "heldout_sim_tau", "tau", "heldout_prompts")
-    return {r["step"]: {k: r[k] for k in keys} for r in _records(out) if "heldout_loss" in r}
+    return {r["step"]: {k: r[k] for k in keys if k in r} for r in _records(out) if "heldout_loss" in r}
 
 
 def _batch(cfg, s, data, step=0):
@@ -161,6 +161,20 @@ def test_periodic_real_tau_is_logged_and_leaves_training_unchanged(full_run, tmp
     assert scores[3]["tau"] > TAU_FLOOR
     assert _losses(out) == _losses(full)  # evaluating in between draws no training randomness
     assert scores[0] == _scores(full)[0] and scores[6] == _scores(full)[6]
+
+
+def test_the_heldout_loss_alone_is_scored_between_the_measured_tau_and_leaves_training_unchanged(full_run, tmp_path):
+    full, _ = full_run
+    out = tmp_path / "heldout"
+    loop.train(_cfg(out, "log.heldout_every=2"))
+    scores = _scores(out)
+    assert list(scores) == [0, 2, 4, 6]
+    assert [("tau" in scores[step]) for step in scores] == [True, False, False, True]  # no decoding in between
+    assert _losses(out) == _losses(full)
+    assert scores[0] == _scores(full)[0] and scores[6] == _scores(full)[6]
+    losses = [scores[step]["heldout_loss"] for step in scores]
+    assert len(set(losses)) == len(losses)  # each scored the drafter of its own step
+    assert describe_before_after(before_after(_records(out))) == describe_before_after(before_after(_records(full)))
 
 
 def test_eval_every_must_be_a_multiple_of_log_every(tmp_path):
@@ -549,7 +563,11 @@ def test_logged_loss_accuracy_and_tau_are_means_over_the_log_window(tmp_path, mo
 
     monkeypatch.setattr(forward, "dflash_loss", recording)
     out = tmp_path / "window"
-    loop.train(_two_steps(out, "train.max_steps=5", "log.every=3", "log.eval_every=0", "train.grad_accum=2"))
+    loop.train(
+        _two_steps(
+            out, "train.max_steps=5", "log.every=3", "log.eval_every=0", "log.heldout_every=0", "train.grad_accum=2"
+        )
+    )
     rows = {r["step"]: r for r in _rows(out)}
     assert list(rows) == [3, 5] and len(micro) == 10
     # Step 5 ends a run that is not a multiple of log.every: its line is over the last 3 steps (3, 4, 5), not over
