@@ -22,6 +22,7 @@ start and a new DFlash2 drafter drafts what its backbone alone would. `reference
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -72,7 +73,10 @@ class CandidateSelector(nn.Module):
         blank = torch.full_like(base, float("-inf"))
         drafts, rows, prev = [], [], first
         for t in range(base.shape[0]):
-            pair = successors[t] @ (self.predecessor_codebook[prev].to(hidden.dtype) * query[t])
+            # An embedding lookup, not codebook[prev]: indexing with a 0-d tensor reads it on the host (.item()),
+            # which a CUDA graph's capture refuses.
+            predecessor = F.embedding(prev, self.predecessor_codebook).to(hidden.dtype)
+            pair = successors[t] @ (predecessor * query[t])
             rows.append(blank[t].scatter(0, ids[t], values[t] + pair.to(values.dtype)))
             prev = pick(t, rows[-1])
             drafts.append(prev)

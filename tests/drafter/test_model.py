@@ -301,3 +301,28 @@ def test_refuses_a_dflash_checkpoint_labelled_dflash2_naming_the_missing_weights
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"\(a dflash2 drafter\): missing \['candidate_selector"):
         DFlashDraftModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "family, fields",
+    [
+        ("dflash", {}),
+        *[("dspark", {"markov_head_type": kind}) for kind in ("vanilla", "gated", "rnn")],
+        ("dflash2", {}),
+    ],
+)
+def test_walk_reads_nothing_on_the_host_so_a_cuda_graph_can_capture_it(family, fields):
+    """`walk` is what the engine captures in a CUDA graph, which refuses any read of a device value on the host
+    (`.item()`, a 0-d tensor used as a Python index). On the meta device every such read fails at once: each family
+    walks a block there, its previous token a 0-d tensor as the engine passes it."""
+    with torch.device("meta"):
+        drafter = DFlashDraftModel.from_target(
+            tiny_config("qwen3", num_layers=8, vocab_size=96),
+            num_layers=1,
+            mask_token_id=5,
+            family=family,
+            family_fields=fields,
+        )
+        hidden, head, first = torch.randn(4, 64), torch.randn(96, 64), torch.tensor(3)
+    drafts, logits = drafter.walk(hidden, head, first, lambda k, row: row.argmax())
+    assert drafts.shape == (4,) and logits.shape == (4, 96) and drafts.is_meta
