@@ -9,7 +9,7 @@ from flashdraft.speculative.engine.drafter_runner import DrafterRunner
 from flashdraft.speculative.engine.target_runner import TargetEngine
 
 from .. import MASK, one_thread, tiny_target  # noqa: F401 (one_thread: autouse fixture)
-from . import ATOL, CONFIGS
+from . import ATOL, CONFIGS, HostReads
 
 DRAFTERS = {
     "full": {},
@@ -123,4 +123,32 @@ def test_a_chained_runner_walks_what_the_plain_loop_walks(kind, config):
     assert torch.equal(runner.logits.isfinite(), finite) and finite.sum() > 0
     atol = ATOL[dtype] * max(1.0, float(logits[finite].abs().max()))
     assert (runner.logits[finite] - logits[finite]).abs().max().item() <= atol
+    assert runner.drafts.shape[0] == bs - 1 + int(anchor_drafts)
+
+
+@pytest.mark.parametrize("kind, temperature", [("dflash", 0.0), *[(kind, t) for kind in CHAINED for t in (0.0, 1.0)]])
+@torch.no_grad()
+def test_the_captured_draft_step_reads_nothing_on_the_host(kind, temperature):
+    """What a GPU captures in a CUDA graph, the draft step (a chained head's draws included), reads no device value
+    on the host: its eager run on the CPU, under `HostReads`, finds none. (Under inference mode CPU tensors read
+    their values without dispatch, so the step runs under no_grad here.)"""
+    from .. import random_drafter
+
+    target = tiny_target("qwen3_5", seed=5, dtype=torch.float32)
+    bs = 5
+    family, fields = CHAINED.get(kind, ("dflash", {}))
+    drafter = random_drafter(target, block_size=bs, seed=6, family=family, **fields)
+    anchor_drafts = bool(fields.get("sample_from_anchor"))
+    layers = list(drafter.target_layer_ids)
+    engine = TargetEngine(target, max_len=64, block_size=bs + int(anchor_drafts), feature_layers=layers)
+    runner = DrafterRunner(drafter, engine, sampling=(temperature, 1.0, 0), generator=torch.Generator().manual_seed(1))
+    runner.prefill(torch.randn(20, len(layers) * target.config.hidden_size))
+    runner.block_ids[0] = 17
+    engine.features.normal_()
+    runner.pending.fill_(2)
+    if runner.noise is not None:
+        runner.noise.exponential_().log_().neg_()  # Gumbel noise, as `draft` draws it before the step
+    with HostReads() as reads:
+        runner.step.fn()
+    assert reads.found == []
     assert runner.drafts.shape[0] == bs - 1 + int(anchor_drafts)

@@ -10,7 +10,7 @@ from flashdraft.target.tiny import random_tiny_model
 from flashdraft.versions import cache_kwargs
 
 from .. import one_thread, ready, tiny_target  # noqa: F401 (one_thread: autouse fixture)
-from . import ATOL, CONFIGS
+from . import ATOL, CONFIGS, HostReads
 
 FAMILIES = ["qwen3_5", "qwen3"]
 
@@ -162,3 +162,21 @@ def test_the_gpu_conv_kernels_roll_back_exactly_too(monkeypatch):
             engine.commit()
             engine.note_committed(keep)
             n += keep
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3"])
+@torch.no_grad()
+def test_the_captured_steps_read_nothing_on_the_host(arch):
+    """Decode, verify and commit (the hybrid state's rollback included) are what a GPU captures in CUDA graphs: their
+    eager runs on the CPU, under `HostReads`, read no device value on the host."""
+    engine = TargetEngine(tiny_target(arch, seed=5, dtype=torch.float32), max_len=64, block_size=5, feature_layers=[1])
+    engine.prefill(torch.randint(0, 200, (11,), generator=torch.Generator().manual_seed(0)))
+    engine.verify_ids.random_(0, 200)
+    engine.keep.fill_(3)
+    found = {}
+    for name in ("decode", "verify", "commit"):
+        with HostReads() as reads:
+            engine.steps[name].fn()
+        found[name] = reads.found
+    assert found == {"decode": [], "verify": [], "commit": []}
+    assert int(engine.length) == 11 + 1 + 3
