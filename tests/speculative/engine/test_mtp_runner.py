@@ -12,7 +12,7 @@ from flashdraft.target.mtp import MTPHead
 from .. import one_thread, ready, reference_greedy, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 from ..test_mtp import train_head
 from ..test_sampling import P_MIN, PROMPT, VOCAB8, _exact_joint_of_tokens_2_and_3, chi_square_pvalue
-from . import CONFIGS
+from . import CONFIGS, HostReads
 
 NEW = 30
 
@@ -156,3 +156,25 @@ def test_mtp_on_the_engine_at_27b_width_equals_greedy_in_float32():
     finally:
         session.drop_session(target)
         fastpath.disable(target)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@torch.no_grad()
+def test_the_captured_step_reads_nothing_on_the_host(temperature):
+    """The MTP chain's step, which a GPU captures in a CUDA graph, reads no device value on the host: its eager run on
+    the CPU, under `HostReads`, finds none."""
+    from flashdraft.speculative.engine.mtp_runner import MTPRunner
+    from flashdraft.speculative.engine.target_runner import TargetEngine
+
+    target = tiny_target("qwen3_5", seed=11).float()
+    engine = TargetEngine(target, max_len=64, block_size=5)
+    prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(0))
+    engine.prefill(prompt)
+    runner = MTPRunner(MTPHead.for_target(target), engine, 3, sampling=(temperature, 1.0, 0))
+    runner.prefill(prompt, 7)
+    if runner.noise is not None:
+        runner.noise.exponential_().log_().neg_()  # Gumbel noise, as `draft` draws it before the step
+    with HostReads() as reads:
+        runner.step.fn()
+    assert reads.found == []
+    assert runner.drafts.shape == (3,)
