@@ -13,8 +13,8 @@ OUT=${OUT:?set OUT to the folder for the results}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 B=$OUT/build
-SCRATCH=${SCRATCH-dpace dspark}
-SHIPPED=${SHIPPED-dpace+from_shipped dspark_slots+from_shipped dspark+from_shipped}
+SCRATCH=${SCRATCH-dpace dspark dflash2}
+SHIPPED=${SHIPPED-dpace+from_shipped dspark_slots+from_shipped dspark+from_shipped dflash2+from_shipped}
 SET=${SET-train.attention=sdpa train.compile=false}
 if [ -z "${ROWS:-}" ]; then
   BUILD=$B TARGET=bundled STAGES="corpus regen" PROMPTS_PER_FILE=${PROMPTS_PER_FILE:-120} \

@@ -59,11 +59,15 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     ),
     # Trained on FP8 features, decoded against the bf16 target like every variant (a GPU with FP8: sm89+).
     "fp8": ("the target's linear layers in FP8 while training", ["target.precision=fp8"]),
-    # The drafter families (docs/families.md): DSpark's heads and loss on the same backbone.
+    # The drafter families (docs/families.md): DSpark's heads, DFlash2's convolutions and selector, each with its loss.
     "dspark": ("DSpark: Markov (rank 256) and confidence heads, its loss", ["drafter.family=dspark"]),
     "dspark_slots": (
         "DSpark in DFlash's block slots (the anchor's slot drafts nothing)",
         ["drafter.family=dspark", "drafter.dspark.sample_from_anchor=false"],
+    ),
+    "dflash2": (
+        "DFlash2: dynamic convolutions and a candidate selector, its loss",
+        ["drafter.family=dflash2"],
     ),
     "from_shipped": ("started from the shipped drafter (flashdraft/bundled/drafter)", ["drafter.init_from=bundled"]),
 }

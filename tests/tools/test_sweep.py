@@ -211,3 +211,15 @@ def test_prompt_lookup_is_decoded_once_and_reused_only_when_measured_alike(tmp_p
     kept.write_text("{not json")
     with pytest.raises(SystemExit, match="cannot read .*lookup.json"):
         sweep.main([*TINY, *skip, "--out", str(tmp_path / "d"), "--variants", "lk"])
+
+
+def test_every_variant_is_a_configuration_the_trainer_accepts():
+    """Each variant's overrides on the sweep's default recipe load as a run's configuration: a misspelt key or a
+    family's option it lacks would otherwise surface only on a GPU, after the variants before it trained."""
+    from flashdraft.config import load_config
+
+    sweep = load_sweep()
+    for name in sweep.VARIANTS:
+        _, overrides = sweep.variant(name)
+        cfg = load_config(sweep.TINY_TARGET / "drafter.yaml", overrides)
+        assert cfg.drafter.family == next((o.split("=")[1] for o in overrides if "drafter.family" in o), "dflash")
