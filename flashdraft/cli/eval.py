@@ -33,6 +33,7 @@ SHORTCUTS = (
     Shortcut("eval.mtp_drafts"),
     Shortcut("eval.refine", metavar="LIST|each"),
     Shortcut("eval.verify"),
+    Shortcut("eval.verify_length"),
     Shortcut("eval.context_lengths", metavar="LIST"),
     Shortcut("eval.context_text", metavar="FILE.jsonl"),
 )
@@ -198,6 +199,7 @@ def _evaluate(cfg, drafter_path: str, prompts_path: str) -> int:
         context_filler=filler,
         refine=tuple(refine),
         verify=e.verify,
+        verify_length=e.verify_length,
     )
     report.update(
         target=str(t.path),

@@ -24,6 +24,7 @@ DEVICES = ("auto", "cpu", "cuda")
 COMMAND_CHOICES: dict[str, tuple[str, ...]] = {
     "eval.device": DEVICES,
     "eval.verify": ("block", "token"),
+    "eval.verify_length": ("full", "confidence"),
     "regenerate.device": DEVICES,
     "regenerate.backend": ("auto", "hf", "vllm", "sglang"),
     "export.layout": ("auto", "reference", "deepspec", "speculators"),
@@ -68,6 +69,10 @@ class EvalCommand:
     """When sampling, how each method verifies a block of drafts: block (block verification: the drafts are judged
     together, which accepts more per round) | token (token by token, as most servers do). Both keep the target's
     distribution exactly."""
+    verify_length: str = "full"
+    """How many of each round's drafts the target verifies: full (all) | confidence (a drafter with a confidence
+    head, DSpark's: while a draft's predicted acceptance raises the round's expected tokens per second, by the cost of
+    a round measured on this device first; the plain loop). Lossless either way."""
     context_lengths: list[int] | None = None
     """Token counts, e.g. [1024, 8192, 32768]: also decode every prompt left-padded to each length with held-out
     text, and report τ and speedup per method per length."""

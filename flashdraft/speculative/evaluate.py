@@ -144,6 +144,7 @@ def evaluate(
     context_filler: ContextFiller | None = None,
     refine: tuple[int, ...] = (),
     verify: str = "block",
+    verify_length: str = "full",
 ) -> dict:
     """Decode every prompt with DFlash and each of `baselines` (some of `BASELINES`); return the report dict.
 
@@ -152,7 +153,8 @@ def evaluate(
     chained drafts per round. context_lengths: also decode every prompt left-padded to each of these lengths by
     `context_filler`. refine: the drafter drafts each block in passes (`flashdraft.speculative.generate`); when
     sampling, every method then decodes in the plain loop. verify: how every speculative method verifies sampled
-    drafts (block or token, `flashdraft.speculative.sampling`).
+    drafts (block or token, `flashdraft.speculative.sampling`). verify_length: how many of DFlash's drafts each
+    round verifies (`flashdraft.speculative.generate`; confidence: every method decodes in the plain loop).
     """
     if not prompts:
         raise ValueError("evaluate needs at least one prompt")
@@ -169,7 +171,7 @@ def evaluate(
     validate_verify(verify)
     device = next(target.parameters()).device
     # Decided once: every method decodes on the same path.
-    engine = use_engine(target, engine, drafter, refine, temperature)
+    engine = use_engine(target, engine, drafter, refine, temperature, verify_length)
     # The baselines verify as wide a block as the drafter: one engine (and its graphs) serves every method.
     width = verify_width(block_size, drafter)
 
@@ -180,7 +182,16 @@ def evaluate(
             return autoregressive_generate(target, input_ids, max_new, **common)
         common["verify"] = verify
         if method == "dflash":
-            return generate(target, drafter, input_ids, max_new, block_size=block_size, refine=refine, **common)
+            return generate(
+                target,
+                drafter,
+                input_ids,
+                max_new,
+                block_size=block_size,
+                refine=refine,
+                verify_length=verify_length,
+                **common,
+            )
         if method == "mtp":
             return mtp_generate(target, mtp_head, input_ids, max_new, num_drafts=mtp_drafts, block_size=width, **common)
         return prompt_lookup_generate(target, input_ids, max_new, block_size=width, **common)
@@ -218,6 +229,7 @@ def evaluate(
         "backend": "/".join(sorted(set().union(*(run.backends for run in runs)))),
         "block_size": block_size,
         "refine": list(refine),
+        "verify_length": verify_length,
         # Greedy rounds keep the drafts equal to the target's argmax: no verification rule applies.
         "verify": verify if temperature > 0 else None,
         "temperature": temperature,

@@ -48,6 +48,7 @@ from flashdraft.speculative.sampling import (
     validate_request,
     validate_verify,
 )
+from flashdraft.speculative.verify_length import ConfidenceLength, RoundCost, validate_verify_length
 from flashdraft.versions import cache_kwargs
 
 
@@ -156,6 +157,20 @@ class DFlashProposer:
         self.confidence = torch.cat(confidence) if confidence else None
         return torch.cat(drafts), torch.cat(probs) if probs else None
 
+    @torch.inference_mode()
+    def rehearse(self) -> None:
+        """One drafting pass over a stand-in context of one token, the proposer's state untouched: what a round's
+        drafting costs, for `verify_length.RoundCost.measure` (a chained head's walk left out)."""
+        device = self.lm_head.weight.device
+        block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=device)
+        context = torch.zeros(1, 1, self.drafter.fc.in_features, dtype=self.dtype, device=device)
+        hidden = self.drafter(
+            position_ids=torch.arange(1 + self.block_size, device=device)[None],
+            noise_embedding=self.embed(block).to(self.dtype),
+            target_hidden=context,
+        )
+        self.drafter.compute_logits(hidden[0, self.start :], self.lm_head)
+
     def _walk(self, slots: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The drafts of `slots` after the token `first`, chained through the drafter's Markov head or selector; when
         sampling, each drawn from q given the drafts before it, which is what verification must read."""
@@ -206,13 +221,16 @@ def speculative_decode(
     generator: torch.Generator | None = None,
     max_deferred: int | None = None,
     verify: str = "block",
+    verify_length: ConfidenceLength | None = None,
 ) -> GenerationResult:
     """The verification loop shared by DFlash, prompt lookup (`proposer`) and autoregressive decoding (None).
 
     num_drafts: most drafts per round (bs - 1). verify: how sampled drafts are verified, block or token
     (`flashdraft.speculative.sampling`). max_deferred: most accepted tokens a hybrid cache may leave to
     the next verification (default 4 x (num_drafts + 1)); beyond it they are committed by a forward of their
-    own, so a long run of partial acceptances cannot make verifications ever wider.
+    own, so a long run of partial acceptances cannot make verifications ever wider. verify_length: verify only as
+    many of each round's drafts as it says from the proposer's `confidence` (`flashdraft.speculative.verify_length`);
+    None: all of them.
     """
     validate_request(input_ids, max_new_tokens, temperature, top_p, top_k)
     validate_verify(verify)
@@ -260,6 +278,9 @@ def speculative_decode(
         drafts, draft_probs = (None, None)
         if proposer is not None and want > 0:
             drafts, draft_probs = proposer.propose(seq[:n], want)
+            if verify_length is not None and drafts is not None:
+                keep = verify_length.drafts(proposer.confidence.tolist(), fed_before=n - committed)
+                drafts, draft_probs = drafts[:keep], None if draft_probs is None else draft_probs[:keep]
         k = 0 if drafts is None else drafts.shape[0]
         fed = seq[committed:n] if k == 0 else torch.cat([seq[committed:n], drafts.to(device)])
         deferred = n - 1 - committed
@@ -276,7 +297,7 @@ def speculative_decode(
             target_probs = sampling_probs(logits, temperature, top_p, top_k)
             accepted, bonus = rejection_sample(drafts if k else seq[:0], draft_probs, target_probs, generator, verify)
         if predicts:  # read now, before more work is enqueued behind it
-            result.confidences.append(proposer.confidence.tolist() if k else [])
+            result.confidences.append(proposer.confidence[:k].tolist() if k else [])
         result.drafts_accepted.append(accepted)
         for i in range(k):
             result.position_offered[i] += 1
@@ -315,18 +336,22 @@ def use_engine(
     drafter: torch.nn.Module | None = None,
     refine: tuple[int, ...] = (),
     temperature: float = 0.0,
+    verify_length: str = "full",
 ) -> bool:
     """Whether to decode with `flashdraft.speculative.engine`: None (auto) = on a CUDA target the engine supports;
     True = always (a ValueError says why it cannot); False = never (this module's plain loop).
 
     The engine computes in the models' own dtypes (static caches, no autocast), so a `drafter` whose dtype is not
     the target's (float32 master weights beside a bf16 target, during training) takes the plain loop, and so
-    does sampling (`temperature` > 0) with drafts made in several passes (`refine`): the engine refines greedily."""
+    does sampling (`temperature` > 0) with drafts made in several passes (`refine`): the engine refines greedily.
+    The engine verifies every draft of a block: `verify_length` "confidence" takes the plain loop."""
     if engine is False or (engine is None and next(target.parameters()).device.type != "cuda"):
         return False
     reason = engine_session.engine_available(target)
     if reason is None and refine and temperature > 0:
         reason = "the engine drafts in passes only greedily (refine when sampling needs the plain loop)"
+    if reason is None and verify_length != "full":
+        reason = "the engine verifies every draft of a block (verify_length=confidence runs in the plain loop)"
     if reason is None and drafter is not None:
         target_dtype, drafter_dtype = next(target.parameters()).dtype, next(drafter.parameters()).dtype
         if drafter_dtype != target_dtype:
@@ -355,6 +380,7 @@ def generate(
     engine: bool | None = None,
     refine: tuple[int, ...] = (),
     verify: str = "block",
+    verify_length: str = "full",
 ) -> GenerationResult:
     """Decode up to `max_new_tokens` after `input_ids` (batch 1) with DFlash speculative decoding.
 
@@ -366,8 +392,13 @@ def generate(
     refine: draft each block in several passes (`DFlashProposer`; the engine does so at temperature 0), for a
     drafter trained with `recipe.reveal`. verify: when sampling, how a block of drafts is verified: block (default;
     block verification, more tokens per round) or token (token by token, as most servers do); both are lossless
-    (`flashdraft.speculative.sampling`).
+    (`flashdraft.speculative.sampling`). verify_length: full (every draft) or confidence (a drafter with a
+    confidence head: as many as raise the round's expected tokens per second on this device,
+    `flashdraft.speculative.verify_length`; the plain loop); lossless either way.
     """
+    validate_verify_length(verify_length)
+    if verify_length == "confidence" and getattr(drafter, "confidence_head", None) is None:
+        raise ValueError("verify_length=confidence needs a drafter with a confidence head (DSpark's)")
     block_size = int(drafter.block_size if block_size is None else block_size)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -375,7 +406,7 @@ def generate(
     refine = validate_refine(refine, block_size) if refine else ()
     if refine and getattr(drafter, "chains", False):
         raise ValueError("drafting in passes (refine) needs independent drafts: DSpark and DFlash2 chain theirs")
-    if use_engine(target, engine, drafter if block_size > 1 else None, refine, temperature):
+    if use_engine(target, engine, drafter if block_size > 1 else None, refine, temperature, verify_length):
         drafter = drafter if block_size > 1 else None
         return engine_session.engine_decode(
             target,
@@ -388,13 +419,28 @@ def generate(
             **common,
         )
     proposer = DFlashProposer(drafter, target, block_size, temperature, top_p, top_k, generator, refine)
+    num_drafts = block_size - 1 + drafter.draft_offset
+    rule = None
+    if verify_length == "confidence" and block_size > 1:
+        rule = ConfidenceLength(_round_cost(target, drafter, proposer, num_drafts))
     return speculative_decode(
         target,
         input_ids,
         proposer if block_size > 1 else None,
         max_new_tokens,
-        num_drafts=block_size - 1 + drafter.draft_offset,
+        num_drafts=num_drafts,
         max_deferred=max_deferred,
         verify=verify,
+        verify_length=rule,
         **common,
     )
+
+
+def _round_cost(target: torch.nn.Module, drafter: torch.nn.Module, proposer: DFlashProposer, num_drafts: int):
+    """The `RoundCost` of `drafter`'s rounds on `target`, measured once and kept on the target (a decode of many
+    prompts measures it before the first)."""
+    kept = target.__dict__.setdefault("_flashdraft_round_costs", {})
+    key = (id(drafter), proposer.block_size)
+    if key not in kept:
+        kept[key] = RoundCost.measure(target, proposer.rehearse, widths=range(1, num_drafts + 2))
+    return kept[key]

@@ -44,6 +44,8 @@ def print_report(report: dict, console=None) -> None:
         title += f", {len(report['refine']) + 1} passes"
     if report.get("verify"):
         title += f", {report['verify']} verification"
+    if report.get("verify_length", "full") != "full":
+        title += f", drafts verified by {report['verify_length']}"
     table = Table(title=title)
     columns = ("set", "n", "tau", "p95", "DFlash tok/s", "AR tok/s", "PL tok/s", "PL tau", "x AR", "ceiling", "x PL")
     for column in columns:

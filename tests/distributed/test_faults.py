@@ -73,9 +73,10 @@ def _failed_collective_in(function: str, module: str) -> BaseException:
     raise AssertionError("the collective did not fail")
 
 
-def test_a_silence_noticed_while_a_failed_collective_is_explained_names_the_collective_not_the_explaining():
+def test_a_silence_noticed_while_a_failed_collective_is_explained_names_the_collective_not_the_explaining(monkeypatch):
     # The collective's timeout and the silence of the rank it waited for come due together: the watch may report
     # while the main thread is in `explain`, whose frames say nothing of what this rank was doing.
+    monkeypatch.setattr(faults, "_step", "step 4")  # what the job is at (a training loop notes it)
     store = dist.HashStore()
     watch = _watch(store, rank=0, size=2)
     failed = _failed_collective_in("write_sharded", "train/checkpoint/save.py")
@@ -86,5 +87,8 @@ def test_a_silence_noticed_while_a_failed_collective_is_explained_names_the_coll
     noticing.join()
     assert reported == [True]
     message = store.get(faults.ERROR_KEY).decode().split("\t", 2)[2]
-    assert "rank 0 was waiting in gather_object (from flashdraft/train/checkpoint/save.py:write_sharded)" in message
+    assert (
+        "rank 0 was waiting in gather_object (from flashdraft/train/checkpoint/save.py:write_sharded, step 4)"
+        in message
+    )
     assert "rank 1 stopped answering" in str(fault) and "rank 0's gather_object" in str(fault)

@@ -3,6 +3,7 @@ probabilities and, for block verification, an exact enumeration of whole generat
 end against the target's exact joint distribution of two generated tokens (chi-square, fixed seeds)."""
 
 import bisect
+import importlib
 import itertools
 import math
 
@@ -18,8 +19,11 @@ from flashdraft.speculative.sampling import (
     sample,
     sampling_probs,
 )
+from flashdraft.speculative.verify_length import ConfidenceLength, RoundCost
 
 from . import one_thread, random_drafter, ready, tiny_target  # noqa: F401 (one_thread: autouse fixture)
+
+GENERATE = importlib.import_module("flashdraft.speculative.generate")  # the module (the package exports the function)
 
 P_MIN = 1e-3
 
@@ -244,6 +248,45 @@ def test_block_verification_generates_the_target_distribution_exactly(parallel):
     assert block > token + 1e-3
 
 
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel-drafts", "chained-drafts"])
+def test_verifying_as_many_drafts_as_a_stopping_time_says_keeps_the_distribution_exact(parallel):
+    """A round may verify fewer drafts than it drew (`flashdraft.speculative.verify_length`): when the decision to
+    verify draft i reads only the drafts before it, every 4-token sequence keeps the target's exact probability;
+    a rule that looks at draft i itself is not exact, and this enumeration sees it."""
+    models, drafts_per_round, length = _RandomModels(seed=7, parallel=parallel), 3, 4
+
+    def stop_after_a_0(drafts):  # verify draft i unless draft i - 1 is token 0: a stopping time
+        return next((i for i in range(1, len(drafts)) if drafts[i - 1] == 0), len(drafts))
+
+    def stop_before_a_0(drafts):  # verify draft i unless it is token 0 itself: it peeks
+        return next((i for i in range(1, len(drafts)) if drafts[i] == 0), len(drafts))
+
+    def largest_error(verified) -> float:
+        memo = {}
+
+        def generated(state: tuple) -> dict:
+            if len(state) >= length:
+                return {state[:length]: 1.0}
+            if state not in memo:
+                out = {}
+                for drafts in itertools.product(range(3), repeat=drafts_per_round):
+                    drawn = math.prod(float(models.q(state, drafts[:i])[drafts[i]]) for i in range(drafts_per_round))
+                    for chance, emitted in _round_outcomes(models, state, drafts[: verified(drafts)]):
+                        for sequence, rest in generated(state + emitted).items():
+                            out[sequence] = out.get(sequence, 0.0) + drawn * float(chance) * rest
+                memo[state] = out
+            return memo[state]
+
+        result = generated(())
+        return max(
+            abs(result.get(s, 0.0) - math.prod(float(models.p(s[:i])[s[i]]) for i in range(length)))
+            for s in itertools.product(range(3), repeat=length)
+        )
+
+    assert largest_error(stop_after_a_0) < 1e-12
+    assert largest_error(stop_before_a_0) > 1e-2
+
+
 # ---- block 16, many rounds -------------------------------------------------------------------------------------
 
 VOCAB6, BLOCK16, ROUNDS = 6, 16, 4000
@@ -439,6 +482,28 @@ def test_speculative_sampling_equals_target_distribution(case):
     assert 0.05 * trials < accepted_any < 0.95 * trials  # both acceptance and rejection were exercised
 
 
+@pytest.mark.parametrize("verify", ["block", "token"])
+def test_dspark_verifying_drafts_by_confidence_keeps_the_target_distribution(verify, monkeypatch):
+    """DSpark's rounds cut short by its confidence head (`verify_length=confidence`, under a cost that makes the rule
+    cut often) sample the target's distribution, in both verification rules."""
+    cut = []
+    rule = ConfidenceLength.drafts
+
+    def counted(self, confidence, fed_before):
+        n = rule(self, confidence, fed_before)
+        cut.append(n < len(confidence))
+        return n
+
+    monkeypatch.setattr(ConfidenceLength, "drafts", counted)
+    monkeypatch.setattr(GENERATE, "_round_cost", lambda *args: RoundCost(0.1, tuple(float(w) for w in range(1, 9))))
+    pvalue, accepted_any, trials = _sample_tokens_2_and_3(
+        "qwen3_5", 4, 1.0, 1.0, 0, (), verify, "dspark", verify_length="confidence"
+    )
+    assert pvalue > P_MIN
+    assert 0.1 * len(cut) < sum(cut) < 0.9 * len(cut)  # rounds cut short and rounds verified in full
+    assert 0.05 * trials < accepted_any < 0.95 * trials
+
+
 def test_a_dspark_proposal_read_without_its_markov_bias_is_detected(monkeypatch):
     """The check above can fail: verifying DSpark's chained drafts against the backbone's own distributions (what
     its drafts were not drawn from) gives the wrong output distribution, and the test sees it."""
@@ -478,7 +543,17 @@ def test_a_dflash2_proposal_read_over_the_whole_vocabulary_is_detected(monkeypat
 
 
 def _sample_tokens_2_and_3(
-    family, max_new, temperature, top_p, top_k, refine, verify, drafter="dflash", device="cpu", engine=False
+    family,
+    max_new,
+    temperature,
+    top_p,
+    top_k,
+    refine,
+    verify,
+    drafter="dflash",
+    device="cpu",
+    engine=False,
+    verify_length="full",
 ):
     """(chi-square p-value of the sampled (x2, x3) against the target's exact joint, runs with an accepted draft,
     trials) of speculative sampling with a random drafter; `engine`: through flashdraft's engine on `device`."""
@@ -507,6 +582,7 @@ def _sample_tokens_2_and_3(
                 refine=refine,
                 verify=verify,
                 engine=engine,
+                verify_length=verify_length,
             )
             counts[r.tokens[1], r.tokens[2]] += 1
             accepted_any += any(a > 1 for a in r.acceptance_lengths)

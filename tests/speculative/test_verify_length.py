@@ -1,0 +1,101 @@
+"""How many drafts a round verifies from a confidence head: the rule against hand-worked rounds, its decisions a
+stopping time of the confidences, the cost table, and decoding with it (greedy: the target's output; sampling:
+tests/speculative/test_sampling.py)."""
+
+import importlib
+import random
+
+import pytest
+import torch
+
+from flashdraft.speculative.generate import generate, use_engine
+from flashdraft.speculative.verify_length import ConfidenceLength, RoundCost, validate_verify_length
+
+from . import one_thread, random_drafter, ready, reference_greedy, tiny_target  # noqa: F401 (one_thread: autouse)
+
+# The module, not the function the package exports under the same name.
+generate_module = importlib.import_module("flashdraft.speculative.generate")
+
+# A round on a CPU: drafting 1 s, a forward 1 s plus 1 s per fed token (verify_s[w - 1] = 1 + w).
+CPU_LIKE = RoundCost(draft_s=1.0, verify_s=tuple(1.0 + w for w in range(1, 9)))
+# On a GPU at batch 1 the width is nearly free.
+GPU_LIKE = RoundCost(draft_s=1.0, verify_s=(1.0,) * 8)
+
+
+def test_round_cost_reads_its_table_and_extends_it_by_its_last_step():
+    assert CPU_LIKE.round_s(1) == 3.0 and CPU_LIKE.round_s(8) == 10.0
+    assert CPU_LIKE.round_s(11) == 13.0  # 3 widths past the table, 1 s each
+    assert RoundCost(draft_s=0.5, verify_s=(2.0,)).round_s(3) == 6.5  # one width: proportional
+
+
+def test_the_rule_against_hand_worked_rounds():
+    rule = ConfidenceLength(CPU_LIKE)
+    # fed_before 1 (the anchor): T(n) = 1 + 1 + (1 + n) = 3 + n.
+    # c = 0.9, 0.9, 0.1: E = 1.9 / 4 = 0.475; 2.71 / 5 = 0.542 (longer pays); 2.791 / 6 = 0.465 (it does not).
+    assert rule.drafts([0.9, 0.9, 0.1, 0.9], fed_before=1) == 2
+    # Every draft certain: each adds a token for a token's cost, 1 / 1 beats the rate so far.
+    assert rule.drafts([1.0] * 6, fed_before=1) == 6
+    # Nothing expected: the first draft only (a round verifies at least one).
+    assert rule.drafts([0.0, 0.9, 0.9], fed_before=1) == 1
+    # Deferred tokens make the forward wider, so a longer block pays more easily: 2.71 / 9 > 1.9 / 8, and
+    # 2.791 / 10 < 2.71 / 9.
+    assert ConfidenceLength(CPU_LIKE).drafts([0.9, 0.9, 0.1], fed_before=5) == 2
+    # Where width is free, any chance of acceptance is worth verifying.
+    assert ConfidenceLength(GPU_LIKE).drafts([0.5, 0.01, 0.3, 0.001], fed_before=1) == 4
+    assert ConfidenceLength(CPU_LIKE).drafts([], fed_before=1) == 0
+
+
+def test_each_decision_reads_only_the_confidences_up_to_it():
+    """The rule stops at n: whatever the confidences after position n + 1 are, it stops at n again; and it reads
+    c_{n+1} (the one that made it stop), so the number verified is a stopping time of the drafts (c_j is computed
+    from the draft before j)."""
+    rng = random.Random(0)
+    rule = ConfidenceLength(CPU_LIKE)
+    for _ in range(300):
+        fed_before = rng.randint(1, 4)
+        confidence = [rng.random() ** 0.3 for _ in range(7)]
+        n = rule.drafts(confidence, fed_before)
+        for _ in range(5):
+            tail = [rng.random() for _ in range(7 - (n + 1))]
+            assert rule.drafts(confidence[: n + 1] + tail, fed_before) == n
+
+
+@torch.inference_mode()
+def test_measured_cost_grows_with_the_width_and_counts_the_drafting():
+    target = tiny_target("qwen3", dtype=torch.float32)
+    calls = []
+    cost = RoundCost.measure(target, lambda: calls.append(1), widths=range(1, 6), repeats=2)
+    assert len(cost.verify_s) == 5 and all(a <= b for a, b in zip(cost.verify_s, cost.verify_s[1:], strict=False))
+    assert len(calls) == 3 and cost.draft_s >= 0  # a warm-up and two timed
+
+
+def test_bad_values_are_named():
+    with pytest.raises(ValueError, match="verify_length must be one of full, confidence, got 'some'"):
+        validate_verify_length("some")
+    target = tiny_target("qwen3", dtype=torch.float32)
+    dflash = random_drafter(target, block_size=4)
+    with pytest.raises(ValueError, match="needs a drafter with a confidence head"):
+        generate(target, dflash, torch.tensor([[1, 2, 3]]), 4, verify_length="confidence")
+    assert use_engine(target, None, verify_length="confidence") is False
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3"])
+def test_greedy_output_is_the_targets_with_fewer_drafts_verified(family, monkeypatch):
+    """A steep cost makes the rule cut most rounds short; the output stays the target's own greedy decoding, and
+    fewer drafts are offered than the blocks hold."""
+    monkeypatch.setattr(
+        generate_module, "_round_cost", lambda *args: RoundCost(0.1, tuple(float(w) for w in range(1, 9)))
+    )
+    target = tiny_target(family, seed=3)
+    drafter = random_drafter(target, block_size=5, seed=4, family="dspark")
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with ready(target):
+        expected = reference_greedy(target, prompt, 24)
+        cut = generate(target, drafter, prompt, 24, verify_length="confidence")
+        full = generate(target, drafter, prompt, 24)
+    assert cut.tokens == expected and full.tokens == expected
+    offered = sum(cut.position_offered)
+    assert offered < (cut.num_rounds - 1) * drafter.num_drafts, (offered, cut.num_rounds)
+    # Each round reports the confidences of the drafts it verified, and only those.
+    assert sum(len(c) for c in cut.confidences) == offered
+    assert all(a - 1 <= len(c) for a, c in zip(cut.acceptance_lengths, cut.confidences, strict=True))
