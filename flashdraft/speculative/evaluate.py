@@ -100,6 +100,7 @@ def _summary(tallies: dict[str, Tally], num_prompts: int) -> dict:
                 "first_round_ms": tallies[m].first_round_ms,
                 "steady_round_ms": tallies[m].steady_round_ms,
                 "per_position_acceptance": tallies[m].position_acceptance,
+                "drafts_verified_per_round": tallies[m].drafts_verified,
             }
             for m in ran
         },

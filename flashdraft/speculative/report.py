@@ -69,6 +69,9 @@ def print_report(report: dict, console=None) -> None:
     console.print(table)
     rates = " ".join(_fmt(r, 2) for r in report["per_position_acceptance"])
     console.print(f"per-position acceptance (draft 1..{report['block_size'] - 1}): {rates}")
+    if report.get("verify_length", "full") != "full":
+        verified = report["methods"]["dflash"]["drafts_verified_per_round"]
+        console.print(f"drafts verified per round: {_fmt(verified)} of {len(report['per_position_acceptance'])}")
     console.print(
         f"decode step {_fmt(report['decode_step_ms'])} ms (AR), DFlash round {_fmt(report['round_ms'])} ms "
         f"({report.get('backend', '?')}): implied ceiling tau x step / round = {_fmt(report['implied_ceiling'])}x, "

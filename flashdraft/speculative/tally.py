@@ -68,6 +68,11 @@ class Tally:
         return self._per_position("position_offered")
 
     @property
+    def drafts_verified(self) -> float:
+        """Drafts the target verified per round, on average (fewer than drafted with `verify_length`)."""
+        return sum(self.position_offered) / self.rounds if self.rounds else math.nan
+
+    @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else math.nan
 

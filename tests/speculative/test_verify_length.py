@@ -99,3 +99,33 @@ def test_greedy_output_is_the_targets_with_fewer_drafts_verified(family, monkeyp
     # Each round reports the confidences of the drafts it verified, and only those.
     assert sum(len(c) for c in cut.confidences) == offered
     assert all(a - 1 <= len(c) for a, c in zip(cut.acceptance_lengths, cut.confidences, strict=True))
+
+
+def test_eval_reports_the_drafts_verified_and_the_targets_output(monkeypatch):
+    """`evaluate(..., verify_length="confidence")` decodes in the plain loop, keeps greedy output (0 mismatches
+    against autoregressive decoding), and says how many drafts a round verified, in the report and its print."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from flashdraft.speculative.evaluate import evaluate
+    from flashdraft.speculative.prompts import Prompt
+    from flashdraft.speculative.report import print_report
+
+    monkeypatch.setattr(
+        generate_module, "_round_cost", lambda *args: RoundCost(0.1, tuple(float(w) for w in range(1, 9)))
+    )
+    target = tiny_target("qwen3", seed=3)
+    drafter = random_drafter(target, block_size=5, seed=4, family="dspark")
+    g = torch.Generator().manual_seed(1)
+    prompts = [Prompt(torch.randint(0, 200, (1, n), generator=g), "random", i) for i, n in enumerate((5, 9))]
+    with ready(target):
+        report = evaluate(target, drafter, prompts, max_new_tokens=16, progress=False, verify_length="confidence")
+    assert report["verify_length"] == "confidence" and report["greedy_mismatches"] == 0
+    assert report["backend"] == "plain"
+    verified = report["methods"]["dflash"]["drafts_verified_per_round"]
+    assert 0 < verified < drafter.num_drafts
+    out = StringIO()
+    print_report(report, Console(file=out, width=160))
+    assert f"drafts verified per round: {verified:.2f} of {drafter.num_drafts}" in out.getvalue()
+    assert "drafts verified by confidence" in out.getvalue()
