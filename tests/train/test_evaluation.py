@@ -15,7 +15,8 @@ from flashdraft.train import evaluation, setup
 from flashdraft.train.evaluation import Evaluator, eval_prompts_path, heldout_anchors
 from tests import SHIPPED_DRAFTER
 
-SHORT = ["data.eval_limit=3", "data.eval_max_new_tokens=24"]
+# More anchors than continuation tokens: every continuation token starts a held-out block.
+SHORT = ["data.eval_limit=3", "data.eval_max_new_tokens=24", "recipe.num_anchors=32"]
 
 
 def _cfg(out, *extra):
