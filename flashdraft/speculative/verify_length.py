@@ -1,6 +1,6 @@
 """How many of a round's drafts to verify, from the drafter's predicted acceptance and what a round costs here.
 
-    cost = RoundCost.measure(target, proposer, widths=range(1, 18))     # this device, before decoding
+    cost = RoundCost.measure(target, proposer.rehearse, widths=range(1, 18))   # this device, before decoding
     rule = ConfidenceLength(cost)
     n = rule.drafts(confidence, fed_before=1)                            # verify drafts[:n]
 
@@ -19,6 +19,7 @@ exact). Greedy output is the target's whatever the rule verifies.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,43 +31,47 @@ VERIFY_LENGTHS = ("full", "confidence")
 
 @dataclass(frozen=True)
 class RoundCost:
-    """Seconds of one round on this device: `draft_s` (a proposal) + `verify_s[w]`, a target forward over w tokens
-    (w ≥ 1; widths past the table grow as its last step)."""
+    """Seconds of one round on this device: `draft_s` (a proposal) + a target forward over w fed tokens,
+    `verify_fixed_s + verify_token_s * w`."""
 
     draft_s: float
-    verify_s: tuple[float, ...]  # verify_s[w - 1]: w fed tokens
+    verify_fixed_s: float
+    verify_token_s: float
 
     def round_s(self, width: int) -> float:
-        table = self.verify_s
-        if width <= len(table):
-            return self.draft_s + table[width - 1]
-        step = table[-1] - table[-2] if len(table) > 1 else table[-1]
-        return self.draft_s + table[-1] + step * (width - len(table))
+        return self.draft_s + self.verify_fixed_s + self.verify_token_s * width
 
     @classmethod
     @torch.inference_mode()
-    def measure(cls, target: torch.nn.Module, draft, widths: Sequence[int], repeats: int = 3) -> RoundCost:
-        """Time `draft()` (one proposal) and a target forward over each of 1 … max(widths) tokens, the best of
-        `repeats` after one warm-up each; on random tokens without a cache (verification's context adds the same
-        to every width)."""
+    def measure(cls, target: torch.nn.Module, draft, widths: Sequence[int], repeats: int = 5) -> RoundCost:
+        """Time `draft()` (one proposal) and a target forward over each of `widths` tokens (random tokens, no cache:
+        verification's context adds the same to every width), the best of `repeats` sweeps over the widths after a
+        warm-up sweep; interleaved, so that a slow spell of the machine does not fall on a few widths alone. The
+        forward's cost is the least-squares line through them: single readings are noisy, and a table's flat
+        stretches would make every draft on them look free."""
         device = next(target.parameters()).device
         vocab = target.get_output_embeddings().weight.shape[0]
         ids = torch.randint(0, vocab, (1, max(widths)), generator=torch.Generator().manual_seed(0)).to(device)
-
-        def best(run) -> float:
-            run()
-            times = []
-            for _ in range(repeats):
+        runs = [draft, *[lambda w=w: target(input_ids=ids[:, :w], use_cache=False) for w in widths]]
+        best = [math.inf] * len(runs)
+        for sweep in range(1 + repeats):
+            for i, run in enumerate(runs):
                 start = _clock(device)
                 run()
-                times.append(_clock(device) - start)
-            return min(times)
+                if sweep:  # the first sweep warms up
+                    best[i] = min(best[i], _clock(device) - start)
+        fixed, per_token = _line([float(w) for w in widths], best[1:])
+        return cls(draft_s=best[0], verify_fixed_s=fixed, verify_token_s=per_token)
 
-        verify = [best(lambda w=w: target(input_ids=ids[:, :w], use_cache=False)) for w in range(1, max(widths) + 1)]
-        # A forward's time does not fall as tokens are added: a smaller reading is noise.
-        for w in range(1, len(verify)):
-            verify[w] = max(verify[w], verify[w - 1])
-        return cls(draft_s=best(draft), verify_s=tuple(verify))
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope ≥ 0) of the least-squares line through (xs, ys): a forward does not get cheaper with more
+    tokens, so a falling fit is noise and is read as flat."""
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread if spread else 0.0
+    slope = max(slope, 0.0)
+    return mean_y - slope * mean_x, slope
 
 
 class ConfidenceLength:

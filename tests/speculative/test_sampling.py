@@ -495,7 +495,8 @@ def test_dspark_verifying_drafts_by_confidence_keeps_the_target_distribution(ver
         return n
 
     monkeypatch.setattr(ConfidenceLength, "drafts", counted)
-    monkeypatch.setattr(GENERATE, "_round_cost", lambda *args: RoundCost(0.1, tuple(float(w) for w in range(1, 9))))
+    steep = RoundCost(draft_s=0.1, verify_fixed_s=0.0, verify_token_s=1.0)
+    monkeypatch.setattr(GENERATE, "_round_cost", lambda *args: steep)
     pvalue, accepted_any, trials = _sample_tokens_2_and_3(
         "qwen3_5", 4, 1.0, 1.0, 0, (), verify, "dspark", verify_length="confidence"
     )

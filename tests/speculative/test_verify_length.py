@@ -16,16 +16,16 @@ from . import one_thread, random_drafter, ready, reference_greedy, tiny_target  
 # The module, not the function the package exports under the same name.
 generate_module = importlib.import_module("flashdraft.speculative.generate")
 
-# A round on a CPU: drafting 1 s, a forward 1 s plus 1 s per fed token (verify_s[w - 1] = 1 + w).
-CPU_LIKE = RoundCost(draft_s=1.0, verify_s=tuple(1.0 + w for w in range(1, 9)))
+# A round on a CPU: drafting 1 s, a forward 1 s plus 1 s per fed token.
+CPU_LIKE = RoundCost(draft_s=1.0, verify_fixed_s=1.0, verify_token_s=1.0)
 # On a GPU at batch 1 the width is nearly free.
-GPU_LIKE = RoundCost(draft_s=1.0, verify_s=(1.0,) * 8)
+GPU_LIKE = RoundCost(draft_s=1.0, verify_fixed_s=1.0, verify_token_s=0.0)
+# Every fed token a second, drafting almost free: the rule cuts most rounds.
+STEEP = RoundCost(draft_s=0.1, verify_fixed_s=0.0, verify_token_s=1.0)
 
 
-def test_round_cost_reads_its_table_and_extends_it_by_its_last_step():
-    assert CPU_LIKE.round_s(1) == 3.0 and CPU_LIKE.round_s(8) == 10.0
-    assert CPU_LIKE.round_s(11) == 13.0  # 3 widths past the table, 1 s each
-    assert RoundCost(draft_s=0.5, verify_s=(2.0,)).round_s(3) == 6.5  # one width: proportional
+def test_round_cost_is_the_drafting_and_a_line_in_the_width():
+    assert CPU_LIKE.round_s(1) == 3.0 and CPU_LIKE.round_s(8) == 10.0 and GPU_LIKE.round_s(17) == 2.0
 
 
 def test_the_rule_against_hand_worked_rounds():
@@ -61,12 +61,28 @@ def test_each_decision_reads_only_the_confidences_up_to_it():
 
 
 @torch.inference_mode()
-def test_measured_cost_grows_with_the_width_and_counts_the_drafting():
+def test_the_forwards_cost_is_the_least_squares_line_never_falling():
+    from flashdraft.speculative.verify_length import _line
+
+    assert _line([1, 2, 3, 4], [3.0, 5.0, 7.0, 9.0]) == pytest.approx((1.0, 2.0))
+    # Noise around a flat cost: the fit's slope, here negative, is read as 0 and the level as the mean.
+    assert _line([1, 2, 3], [2.0, 1.0, 1.5]) == pytest.approx((1.5, 0.0))
+
+
+@torch.inference_mode()
+def test_measure_times_the_drafting_and_each_width(monkeypatch):
     target = tiny_target("qwen3", dtype=torch.float32)
-    calls = []
-    cost = RoundCost.measure(target, lambda: calls.append(1), widths=range(1, 6), repeats=2)
-    assert len(cost.verify_s) == 5 and all(a <= b for a, b in zip(cost.verify_s, cost.verify_s[1:], strict=False))
-    assert len(calls) == 3 and cost.draft_s >= 0  # a warm-up and two timed
+    widths, calls = [], []
+    forward = target.forward
+
+    def counted(*args, input_ids, **kwargs):
+        widths.append(input_ids.shape[1])
+        return forward(*args, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(target, "forward", counted)
+    RoundCost.measure(target, lambda: calls.append(1), widths=range(1, 6), repeats=2)
+    assert widths == [*range(1, 6)] * 3  # a warm-up sweep and two timed, interleaved
+    assert len(calls) == 3  # the drafting too
 
 
 def test_bad_values_are_named():
@@ -83,9 +99,7 @@ def test_bad_values_are_named():
 def test_greedy_output_is_the_targets_with_fewer_drafts_verified(family, monkeypatch):
     """A steep cost makes the rule cut most rounds short; the output stays the target's own greedy decoding, and
     fewer drafts are offered than the blocks hold."""
-    monkeypatch.setattr(
-        generate_module, "_round_cost", lambda *args: RoundCost(0.1, tuple(float(w) for w in range(1, 9)))
-    )
+    monkeypatch.setattr(generate_module, "_round_cost", lambda *args: STEEP)
     target = tiny_target(family, seed=3)
     drafter = random_drafter(target, block_size=5, seed=4, family="dspark")
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
@@ -112,9 +126,7 @@ def test_eval_reports_the_drafts_verified_and_the_targets_output(monkeypatch):
     from flashdraft.speculative.prompts import Prompt
     from flashdraft.speculative.report import print_report
 
-    monkeypatch.setattr(
-        generate_module, "_round_cost", lambda *args: RoundCost(0.1, tuple(float(w) for w in range(1, 9)))
-    )
+    monkeypatch.setattr(generate_module, "_round_cost", lambda *args: STEEP)
     target = tiny_target("qwen3", seed=3)
     drafter = random_drafter(target, block_size=5, seed=4, family="dspark")
     g = torch.Generator().manual_seed(1)
