@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashdraft.telemetry.timer import synchronize
+
 VERIFY_LENGTHS = ("full", "confidence")
 
 
@@ -56,10 +58,12 @@ class RoundCost:
         best = [math.inf] * len(runs)
         for sweep in range(1 + repeats):
             for i, run in enumerate(runs):
-                start = _clock(device)
+                synchronize(device)
+                start = time.perf_counter()
                 run()
+                synchronize(device)
                 if sweep:  # the first sweep warms up
-                    best[i] = min(best[i], _clock(device) - start)
+                    best[i] = min(best[i], time.perf_counter() - start)
         fixed, per_token = _line([float(w) for w in widths], best[1:])
         return cls(draft_s=best[0], verify_fixed_s=fixed, verify_token_s=per_token)
 
@@ -100,9 +104,3 @@ class ConfidenceLength:
 def validate_verify_length(value: str) -> None:
     if value not in VERIFY_LENGTHS:
         raise ValueError(f"verify_length must be one of {', '.join(VERIFY_LENGTHS)}, got {value!r}")
-
-
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
