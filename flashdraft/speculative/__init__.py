@@ -13,7 +13,8 @@ from flashdraft.speculative.baselines import (
     mtp_generate,
     prompt_lookup_generate,
 )
-from flashdraft.speculative.generate import DFlashProposer, generate, speculative_decode
+from flashdraft.speculative.generate import generate, speculative_decode
+from flashdraft.speculative.proposer import DFlashProposer
 from flashdraft.speculative.result import GenerationResult
 from flashdraft.speculative.sampling import rejection_sample, sampling_probs
 

@@ -48,9 +48,10 @@ import torch
 from flashdraft.speculative.baselines import autoregressive_generate, mtp_generate, prompt_lookup_generate
 from flashdraft.speculative.context import ContextFiller
 from flashdraft.speculative.engine.session import prepare, verify_width
-from flashdraft.speculative.generate import generate, use_engine, validate_refine
+from flashdraft.speculative.generate import generate, use_engine
 from flashdraft.speculative.prompt_stats import Calibration, prompt_row, slow_prompts
 from flashdraft.speculative.prompts import Prompt
+from flashdraft.speculative.proposer import validate_refine
 from flashdraft.speculative.result import GenerationResult
 from flashdraft.speculative.sampling import validate_verify
 from flashdraft.speculative.tally import Tally

@@ -266,7 +266,7 @@ def test_each_pass_drafts_from_the_block_with_the_fixed_drafts(setup, temperatur
     """Pass by pass, the drafts (and at T > 0 the distributions they were drawn from) are those of an uncached
     drafter forward over the whole context and the block holding the drafts fixed so far."""
     from flashdraft.drafter import select_context_features
-    from flashdraft.speculative.generate import DFlashProposer
+    from flashdraft.speculative.proposer import DFlashProposer
     from flashdraft.speculative.sampling import sampling_probs
 
     target, _, cases = setup

@@ -493,7 +493,7 @@ def test_dspark_verifying_drafts_by_confidence_keeps_the_target_distribution(ver
 def test_a_dspark_proposal_read_without_its_markov_bias_is_detected(monkeypatch):
     """The check above can fail: verifying DSpark's chained drafts against the backbone's own distributions (what
     its drafts were not drawn from) gives the wrong output distribution, and the test sees it."""
-    from flashdraft.speculative.generate import DFlashProposer
+    from flashdraft.speculative.proposer import DFlashProposer
 
     walk = DFlashProposer._walk
 
@@ -510,7 +510,7 @@ def test_a_dspark_proposal_read_without_its_markov_bias_is_detected(monkeypatch)
 def test_a_dflash2_proposal_read_over_the_whole_vocabulary_is_detected(monkeypatch):
     """The selector's proposal is supported on its candidates only: verifying its drafts against the same scores
     spread over the whole vocabulary (the backbone's logits off the candidates) gives the wrong output distribution."""
-    from flashdraft.speculative.generate import DFlashProposer
+    from flashdraft.speculative.proposer import DFlashProposer
 
     walk = DFlashProposer._walk
 
