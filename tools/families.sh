@@ -6,7 +6,8 @@
 #   OUT=/tmp/families bash tools/families.sh
 # SCRATCH (variants trained from a fresh drafter, SCRATCH_STEPS steps at the recipe's lr) and SHIPPED (variants
 # started from the shipped drafter, SHIPPED_STEPS steps at SHIPPED_LR); ROWS: training rows already made (skips
-# the regeneration); SET: overrides for every variant; SWEEP_ARGS: more arguments of tools/sweep.py.
+# the regeneration); SET: overrides for every variant; SWEEP_ARGS: more arguments of tools/sweep.py (e.g.
+# "--block-size 8": every variant trained and decoded at block 8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the folder for the results}

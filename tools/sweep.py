@@ -6,8 +6,8 @@
 Every variant is `examples/tiny_target/drafter.yaml` plus its own overrides (VARIANTS below; `a+b` takes both a's and
 b's, e.g. `dpace+late`), trained from a fresh drafter for the same `--steps` on the same data with the same seed, one
 after the other in this process. Each is then decoded on the same held-out prompts (default: the package's 64,
-`flashdraft/bundled/eval.jsonl`) at T=0 and T=1, block 16; prompt lookup decodes the same prompts with the same
-settings once per temperature, at the start. Writes to --out: sweep.json (after every variant, so a cut-short sweep
+`flashdraft/bundled/eval.jsonl`) at T=0 and T=1, block 16 (`--block-size`: trained and decoded at that size);
+prompt lookup decodes the same prompts with the same settings once per temperature, at the start. Writes to --out: sweep.json (after every variant, so a cut-short sweep
 keeps what it measured), sweep.md (the table) and sweep.png (a bar chart; needs matplotlib). `--deadline-s` skips the
 variants that would end after it; `--redraw` rewrites the table and the chart from --out's sweep.json (e.g. on a
 machine with matplotlib); `--merge DIR ...` joins the sweep.json of several runs (a sweep split over processes sharing
@@ -60,6 +60,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     # Trained on FP8 features, decoded against the bf16 target like every variant (a GPU with FP8: sm89+).
     "fp8": ("the target's linear layers in FP8 while training", ["target.precision=fp8"]),
     # The drafter families (docs/families.md): DSpark's heads, DFlash2's convolutions and selector, each with its loss.
+    "dflash": ("DFlash: the backbone alone, its block cross-entropy", ["drafter.family=dflash"]),
     "dspark": ("DSpark: Markov (rank 256) and confidence heads, its loss", ["drafter.family=dspark"]),
     "dspark_slots": (
         "DSpark in DFlash's block slots (the anchor's slot drafts nothing)",
@@ -100,7 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=Path, default=None, help="held-out prompts (default: the package's 64)")
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block, as trained and as decoded")
     p.add_argument("--seed", type=int, default=0, help="sampling seed at T=1 (prompt i: seed + i)")
     p.add_argument("--deadline-s", type=float, default=None, help="skip variants that would end later than this")
     p.add_argument(
@@ -129,8 +130,10 @@ def variant_config(a: argparse.Namespace, name: str):
         f"target.path={a.target}",
         f"log.out={run}",
         f"train.max_steps={a.steps}",
+        f"drafter.block_size={a.block_size}",  # trained at the block size it is decoded with
         f"data.shards={a.out / 'shards'}",  # tokenised once, by the first run, reused by the others
         "data.eval_prompts=null",  # this script measures τ itself, on every variant alike
+        "log.heldout_every=0",
         f"log.checkpoint_every={a.steps}",
         "log.keep_checkpoints=1",
         f"log.every={max(1, a.steps // 20)}",
@@ -235,7 +238,7 @@ def chart(report: dict):
     fig, ax = plt.subplots(figsize=(1.2 * len(done) + 2, 4))
     x = range(len(done))
     for t, offset in zip(TEMPERATURES, (-0.2, 0.2), strict=True):
-        bars = ax.bar([i + offset for i in x], [r[f"tau_t{t:g}"] for r in done], width=0.4, label=f"DFlash T={t:g}")
+        bars = ax.bar([i + offset for i in x], [r[f"tau_t{t:g}"] for r in done], width=0.4, label=f"drafter T={t:g}")
         ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
     for t, style in zip(TEMPERATURES, ("--", ":"), strict=True):
         ax.axhline(
@@ -245,7 +248,9 @@ def chart(report: dict):
     ax.set_ylabel("τ (tokens per verification)")
     tallest = max([*(r[f"tau_t{t:g}"] for r in done for t in TEMPERATURES), *report["prompt_lookup"].values()])
     ax.set_ylim(0, 1.1 * tallest + 0.1)  # room for the bar labels
-    ax.set_title(f"{report['steps']} steps per variant, {report['num_prompts']} held-out prompts, block 16")
+    ax.set_title(
+        f"{report['steps']} steps per variant, {report['num_prompts']} held-out prompts, block {report['block_size']}"
+    )
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     return fig

@@ -53,11 +53,18 @@ def test_chart_labels_every_bar_and_keeps_the_legend_off_the_bars():
         {"name": n, "tau_t0": t0, "tau_t1": t1}
         for n, t0, t1 in [("baseline", 4.06, 1.90), ("a", 3.73, 1.89), ("b", 4.21, 2.08), ("c", 3.76, 1.92)]
     ]
-    report = {"steps": 150, "num_prompts": 32, "variants": variants, "prompt_lookup": {"tau_t0": 1.87, "tau_t1": 1.33}}
+    report = {
+        "steps": 150,
+        "num_prompts": 32,
+        "block_size": 8,
+        "variants": variants,
+        "prompt_lookup": {"tau_t0": 1.87, "tau_t1": 1.33},
+    }
     fig = sweep.chart(report)
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     (ax,) = fig.axes
+    assert ax.get_title().endswith("block 8")
     legend = ax.get_legend().get_window_extent(renderer)
     bars = [patch.get_window_extent(renderer) for patch in ax.patches]
     labels = [text for text in ax.texts]
@@ -137,6 +144,15 @@ def test_a_combined_variant_takes_the_overrides_of_each_part(tmp_path):
     assert Path(cfg.log.out) == tmp_path / "runs" / "dpace+late+layers5"
     alone = sweep.variant_config(a, "late")  # a part alone keeps the others' defaults
     assert alone.recipe.loss_weighting != "dpace" and alone.drafter.num_layers == 3
+
+
+def test_the_block_size_is_the_one_trained_and_decoded(tmp_path):
+    """--block-size sets the drafter's block as well as the decoding's: a block-8 sweep of block-16 drafters would
+    decode each block with half its slots unused, or fail."""
+    sweep = load_sweep()
+    for block in (8, 16):
+        a = sweep.parse_args([*TINY, "--out", str(tmp_path), "--variants", "dspark", "--block-size", str(block)])
+        assert sweep.variant_config(a, "dspark").drafter.block_size == block == a.block_size
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU with FP8 the variant trains")
