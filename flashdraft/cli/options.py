@@ -188,7 +188,10 @@ def _add_shortcut(parser: argparse.ArgumentParser, s: Shortcut, field) -> None:
 
     hint = _plain(field.hint)
     doc = " ".join(field.doc.split()).replace("%", "%%")
-    help_text = f"{doc} [{s.field}; default {json.dumps(field.default, ensure_ascii=False)}]"
+    default = json.dumps(field.default, ensure_ascii=False)
+    help_text = f"{doc} [{s.field}; default {default}]"
+    if s.negate:  # the flag turns the field off: say so before the field's own description
+        help_text = f"{s.field} = false. {s.field}: {doc} [default {default}]"
     common = dict(dest=s.dest, default=None, help=help_text)
     metavar = s.metavar or s.field.rpartition(".")[2].upper()
     if hint is bool:

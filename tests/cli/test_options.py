@@ -127,6 +127,8 @@ def test_shortcuts_are_generated_from_the_schema(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--max-new-tokens MAX_NEW_TOKENS Tokens generated per prompt. [eval.max_new_tokens; default 256]" in text
     assert "--verify {block,token}" in text and "--dtype {auto,bfloat16,float16,float32}" in text
+    # A flag that turns its field off says so first (its field's description is of the field, not of the flag).
+    assert "--no-progress eval.progress = false. eval.progress: Show a progress bar. [default true]" in text
     args = _parse(("eval",), "--max-new-tokens", "8", "--no-progress", "--target", "T")
     assert options.flags_given(args) == [
         ("--target T", "target.path", "T"),
