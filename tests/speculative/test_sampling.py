@@ -503,7 +503,8 @@ def test_a_dspark_proposal_read_without_its_markov_bias_is_detected(monkeypatch)
         return drafts, [row[None] for row in backbone]
 
     monkeypatch.setattr(DFlashProposer, "_walk", walk_read_without_bias)
-    pvalue, _, _ = _sample_tokens_2_and_3(*CASES["dspark-hybrid-token"])
+    # The bias is gross (p ~1e-32 at 500 trials, seeded): fewer trials than the exactness tests need.
+    pvalue, _, _ = _sample_tokens_2_and_3(*CASES["dspark-hybrid-token"], trials=500)
     assert pvalue < P_MIN, f"a wrong proposal distribution went undetected (p-value {pvalue:.3g})"
 
 
@@ -524,7 +525,8 @@ def test_a_dflash2_proposal_read_over_the_whole_vocabulary_is_detected(monkeypat
         return drafts, rows
 
     monkeypatch.setattr(DFlashProposer, "_walk", walk_read_off_the_candidates)
-    pvalue, _, _ = _sample_tokens_2_and_3("qwen3", 4, 1.0, 1.0, 0, (), "token", "dflash2")  # the cheaper target
+    # The cheaper target; tokens off the candidates come out at once (p = 0 at 500 trials, seeded).
+    pvalue, _, _ = _sample_tokens_2_and_3("qwen3", 4, 1.0, 1.0, 0, (), "token", "dflash2", trials=500)
     assert pvalue < P_MIN, f"a wrong proposal distribution went undetected (p-value {pvalue:.3g})"
 
 
@@ -540,6 +542,7 @@ def _sample_tokens_2_and_3(
     device="cpu",
     engine=False,
     verify_length="full",
+    trials=1500,
 ):
     """(chi-square p-value of the sampled (x2, x3) against the target's exact joint, runs with an accepted draft,
     trials) of speculative sampling with a random drafter; `engine`: through flashdraft's engine on `device`."""
@@ -548,7 +551,6 @@ def _sample_tokens_2_and_3(
     with torch.no_grad():  # peaked distributions, so that drafts are often rejected and corrections matter
         target.get_output_embeddings().weight.mul_(30)
     drafter = random_drafter(target, block_size=3, seed=4, **DRAFTERS[drafter]).to(device)
-    trials = 1500
     g = torch.Generator(device=device).manual_seed(5)
     counts = torch.zeros(VOCAB8, VOCAB8)
     accepted_any = 0
