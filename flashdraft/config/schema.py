@@ -108,6 +108,11 @@ class DrafterConfig:
     drafter.dflash2; its loss, recipe.dflash2; its layers sliding, window 2048, both ways inside the block, unless
     drafter.overrides choose). With drafter.init_from of another family, its backbone is kept and the heads start
     new."""
+    freeze_backbone: bool = False
+    """Train only what the family adds (DSpark's Markov and confidence heads; DFlash2's convolutions and selector)
+    on the backbone of drafter.init_from, which stays as it is: a converged backbone keeps what it learned on far
+    more data. From a DFlash backbone, DSpark needs drafter.dspark.sample_from_anchor: false (DFlash's block slots:
+    the backbone's anchor slot never learned to draft)."""
     dspark: DSparkHeads = field(default_factory=DSparkHeads)
     dflash2: DFlash2Parts = field(default_factory=DFlash2Parts)
 
@@ -298,6 +303,16 @@ class RunConfig:
                 "drafter.overrides",
                 not (self.drafter.overrides and self.drafter.init_from),
                 "cannot change a drafter loaded from drafter.init_from (set drafter.init_from: null to train a new one)",
+            ),
+            (
+                "drafter.freeze_backbone",
+                not self.drafter.freeze_backbone or bool(self.drafter.init_from),
+                "needs drafter.init_from (a new backbone frozen would never learn)",
+            ),
+            (
+                "drafter.freeze_backbone",
+                not self.drafter.freeze_backbone or self.drafter.family != "dflash",
+                "needs drafter.family dspark or dflash2 (a DFlash drafter is its backbone: nothing would train)",
             ),
             ("drafter.block_size", self.drafter.block_size >= 2, "must be >= 2 (the anchor plus one drafted token)"),
             ("data.max_length", self.data.max_length >= self.drafter.block_size, "must be >= drafter.block_size"),

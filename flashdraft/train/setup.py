@@ -29,7 +29,7 @@ from flashdraft.distributed import data_parallel
 from flashdraft.distributed.job import main_first
 from flashdraft.distributed.ranks import world
 from flashdraft.drafter import DFlashDraftModel
-from flashdraft.drafter.families import with_family
+from flashdraft.drafter.families import is_family_parameter, with_family
 from flashdraft.target import FrozenTarget, check_fp8, glue_compile_enabled, load_frozen_target
 from flashdraft.telemetry.flops import Peak, describe, device_peak, step_flops
 from flashdraft.telemetry.timer import Timer
@@ -214,6 +214,9 @@ def build_drafter(cfg: RunConfig, target: FrozenTarget | HeadTarget, tokenizer) 
                 f"drafter.init_from: its target_layer_ids {drafter.target_layer_ids} differ from the "
                 f"target's captured layers {target.target_layer_ids}"
             )
+        if cfg.drafter.freeze_backbone:  # the optimizer takes only parameters that require gradients
+            for name, parameter in drafter.named_parameters():
+                parameter.requires_grad_(is_family_parameter(name))
         return drafter.float()
     torch.manual_seed(cfg.train.seed)
     return DFlashDraftModel.from_target(

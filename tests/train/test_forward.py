@@ -93,6 +93,45 @@ def test_a_dflash_drafter_starts_a_dspark_one_with_its_backbone():
         assert torch.equal(drafter.state_dict()[name], tensor), name
 
 
+def test_a_frozen_backbone_stays_bit_for_bit_and_only_the_heads_learn(tmp_path):
+    """drafter.freeze_backbone: two optimizer steps from the shipped DFlash backbone leave every backbone tensor as
+    it was and move every head's; the optimizer holds the heads alone."""
+    run = [
+        "drafter.freeze_backbone=true",
+        "drafter.dspark.sample_from_anchor=false",
+        "train.max_steps=2",
+        "recipe.num_anchors=8",
+        "data.eval_prompts=null",
+        f"log.out={tmp_path}",
+    ]
+    cfg = load_config(bundled.ASSETS / "train.yaml", [*DSPARK, *run])
+    result = loop.train(cfg)
+    trained = load_file(result.checkpoint / "drafter" / "model.safetensors")
+    shipped = DFlashDraftModel.from_pretrained(bundled.drafter_dir(), dtype=torch.float32).state_dict()
+    heads = sorted(set(trained) - set(shipped))
+    assert heads and all(name.startswith(("markov_head.", "confidence_head.")) for name in heads)
+    for name, tensor in shipped.items():
+        assert torch.equal(trained[name], tensor), name
+    _, _, s = _setup("drafter.freeze_backbone=true", "drafter.dspark.sample_from_anchor=false")
+    new_heads = s.drafter.state_dict()  # the heads as this seed starts them
+    assert all(not torch.equal(trained[name], new_heads[name]) for name in heads)
+    assert {n for n, p in s.drafter.named_parameters() if p.requires_grad} == set(heads)
+
+
+def test_a_frozen_backbone_needs_one_to_start_from_and_heads_to_train():
+    import pytest
+
+    from flashdraft.config.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="drafter.freeze_backbone.*needs drafter.init_from"):
+        load_config(bundled.ASSETS / "train.yaml", ["drafter.freeze_backbone=true"])
+    with pytest.raises(ConfigError, match="drafter.freeze_backbone.*needs drafter.family dspark or dflash2"):
+        load_config(
+            bundled.ASSETS / "train.yaml",
+            ["drafter.freeze_backbone=true", "drafter.family=dflash", "drafter.init_from=bundled"],
+        )
+
+
 def test_a_dspark_run_resumes_exactly(tmp_path):
     """Four steps with a checkpoint after two; the run cut after that checkpoint and resumed gives the same losses
     and the same heads."""
