@@ -22,7 +22,7 @@ from flashdraft.speculative.engine.session import engine_decode
 from flashdraft.speculative.generate import speculative_decode, use_engine
 from flashdraft.speculative.result import GenerationResult
 from flashdraft.speculative.sampling import sample, sampling_probs
-from flashdraft.target.mtp import MTPHead
+from flashdraft.target.mtp import MTPHead, rotary_embedding
 
 
 class PromptLookupProposer:
@@ -70,9 +70,8 @@ class MTPProposer:
         top_k: int = 0,
         generator: torch.Generator | None = None,
     ):
-        self.head = head
+        self.head, self.target = head, target
         self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-        self.rotary = target.get_decoder().rotary_emb
         self.sampling = (temperature, top_p, top_k)
         self.generator = generator
         # The loop hands over the output of layer i as hidden_states[i + 1]; transformers' last entry,
@@ -88,7 +87,7 @@ class MTPProposer:
     def _step(self, token_ids: torch.Tensor, hidden: torch.Tensor, start: int) -> torch.Tensor:
         embeds = self.embed(token_ids[None])
         positions = torch.arange(start, start + token_ids.shape[0], device=token_ids.device)[None]
-        return self.head(embeds, hidden, self.rotary(embeds, positions), positions, self.cache)
+        return self.head(embeds, hidden, rotary_embedding(self.target, embeds, positions), positions, self.cache)
 
     def propose(self, tokens: torch.Tensor, num_drafts: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden = torch.cat(self.new_hidden, dim=1)

@@ -125,13 +125,22 @@ def mtp_config(target: nn.Module):
     return config
 
 
+def rotary_embedding(target: nn.Module, x: torch.Tensor, positions: torch.Tensor):
+    """The target's rotary embedding (cos, sin) of `(B, T)` positions. Qwen3.5's multimodal RoPE reads them per
+    axis, `(3, B, T)`, text tokens at the same position on all three; some transformers releases (5.17) no longer
+    expand `(B, T)` themselves."""
+    rotary = target.get_decoder().rotary_emb
+    if hasattr(rotary, "mrope_section"):
+        positions = positions[None].expand(3, *positions.shape)
+    return rotary(x, positions)
+
+
 def teacher_forced(head: MTPHead, target: nn.Module, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """The MTP layer over whole sequences, as trained: `(B, T)` token ids and the target's final-normed hidden
     states `(B, T, D)` -> `(B, T - 1, D)` outputs at positions 0 .. T - 2, whose logits predict tokens 2 .. T."""
     embeds = target.get_input_embeddings()(input_ids[:, 1:])
     positions = torch.arange(input_ids.shape[1] - 1, device=input_ids.device)[None].expand(input_ids.shape[0], -1)
-    rotary = target.get_decoder().rotary_emb(embeds, positions)
-    return head(embeds, hidden[:, :-1], rotary, positions)
+    return head(embeds, hidden[:, :-1], rotary_embedding(target, embeds, positions), positions)
 
 
 def chained(
@@ -152,7 +161,7 @@ def chained(
     if n < 1:
         raise ValueError(f"chained: sequences of {length} tokens are too short for {steps} steps")
     device = input_ids.device
-    embed, rotary = target.get_input_embeddings(), target.get_decoder().rotary_emb
+    embed = target.get_input_embeddings()
     anchors = torch.arange(n, device=device)
     inputs, positions, outputs = [], [], []
     for k in range(1, steps + 1):
@@ -162,7 +171,11 @@ def chained(
         previous = [hidden[:, :n]] + outputs  # step k reads step k - 1's output at the same anchor
         pos = torch.cat(positions)[None].expand(batch, -1)
         out = head(
-            embeds, torch.cat(previous, dim=1), rotary(embeds, pos), pos, attention_mask=_chain_mask(n, k, device)
+            embeds,
+            torch.cat(previous, dim=1),
+            rotary_embedding(target, embeds, pos),
+            pos,
+            attention_mask=_chain_mask(n, k, device),
         )
         outputs.append(out[:, -n:])
     return outputs

@@ -148,6 +148,33 @@ def test_a_wrong_head_is_caught_by_verification_not_by_the_output(setup):
     assert rounds < sum(r.num_rounds for r in wrong) and sum(r.tau for r in trained) / 4 > 1.5
 
 
+def test_positions_reach_qwen35s_rotary_per_axis(setup, monkeypatch):
+    """Qwen3.5's rotary embedding of transformers 5.17 takes positions per axis, (3, B, T), and fails on (B, T)
+    (an IndexError in the MTP runs on a GPU machine with that release); training and serving the MTP layer give it
+    them per axis, and the outputs are those of a rotary that takes either."""
+    target, head, cases = setup
+    rotary = target.get_decoder().rotary_emb
+    sequences = torch.cat([torch.cat([p[0], torch.tensor(c)])[None] for p, c in cases[:2]])
+    with ready(target):
+        hidden = target(sequences, output_hidden_states=True).hidden_states[-1]
+        expected = teacher_forced(head, target, sequences, hidden), chained(head, target, sequences, hidden, 2)
+        drafted = mtp_generate(target, head, cases[0][0], 12, num_drafts=3)
+    forward = type(rotary).forward
+
+    def per_axis_only(self, x, position_ids):
+        assert position_ids.ndim == 3 and position_ids.shape[0] == 3, tuple(position_ids.shape)
+        return forward(self, x, position_ids)
+
+    monkeypatch.setattr(type(rotary), "forward", per_axis_only)
+    with ready(target):
+        assert torch.equal(teacher_forced(head, target, sequences, hidden), expected[0])
+        assert all(
+            torch.equal(a, b) for a, b in zip(chained(head, target, sequences, hidden, 2), expected[1], strict=True)
+        )
+        again = mtp_generate(target, head, cases[0][0], 12, num_drafts=3)
+    assert again.tokens == drafted.tokens and again.acceptance_lengths == drafted.acceptance_lengths
+
+
 def test_bad_arguments(setup):
     target, head, cases = setup
     with pytest.raises(ValueError, match="num_drafts must be >= 1"):
