@@ -9,6 +9,8 @@ from flashdraft.config.commands import (
     ExportCommand,
     PrepareCommand,
     RegenerateCommand,
+    is_switch,
+    resolve_switch,
 )
 from flashdraft.config.load import Field, describe_fields, explicit_fields, fields_of, from_dict, load_config, to_dict
 from flashdraft.config.schema import (
@@ -23,8 +25,6 @@ from flashdraft.config.schema import (
     S3Config,
     TargetConfig,
     TrainConfig,
-    is_switch,
-    resolve_switch,
 )
 
 __all__ = [

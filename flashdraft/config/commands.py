@@ -244,3 +244,14 @@ def field_value(obj, dotted: str):
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def resolve_switch(name: str, setting: bool | str, auto: bool) -> bool:
+    """A true | false | auto setting (`name`, for the error) resolved: `auto` is what auto means here."""
+    if not is_switch(setting):
+        raise ValueError(f"{name} = {setting!r}: must be auto, true or false")
+    return auto if setting == "auto" else setting
+
+
+def is_switch(setting: Any) -> bool:
+    return isinstance(setting, bool) or setting == "auto"

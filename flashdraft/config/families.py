@@ -93,6 +93,16 @@ def family_checks(cfg) -> list[tuple[str, bool, str]]:
         ),
         ("drafter.dspark.markov_rank", heads.markov_rank >= 0, "must be >= 0 (0: no Markov head)"),
         (
+            "drafter.freeze_backbone",
+            not cfg.drafter.freeze_backbone or bool(cfg.drafter.init_from),
+            "needs drafter.init_from (a new backbone frozen would never learn)",
+        ),
+        (
+            "drafter.freeze_backbone",
+            not cfg.drafter.freeze_backbone or cfg.drafter.family != "dflash",
+            "needs drafter.family dspark or dflash2 (a DFlash drafter is its backbone: nothing would train)",
+        ),
+        (
             "drafter.dspark.confidence_head_with_markov",
             not (heads.enable_confidence_head and heads.confidence_head_with_markov and heads.markov_rank == 0),
             "needs the Markov head's embedding: set drafter.dspark.markov_rank > 0 or this to false",

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flashdraft.config import commands
-from flashdraft.config.commands import COMMAND_CHOICES, command_checks, either, field_value
+from flashdraft.config.commands import COMMAND_CHOICES, command_checks, either, field_value, is_switch
 from flashdraft.config.families import (
     FAMILY_CHOICES,
     DFlash2Loss,
@@ -33,17 +33,6 @@ class ConfigError(ValueError):
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.field = field
-
-
-def resolve_switch(name: str, setting: bool | str, auto: bool) -> bool:
-    """A true | false | auto setting (`name`, for the error) resolved: `auto` is what auto means here."""
-    if not is_switch(setting):
-        raise ValueError(f"{name} = {setting!r}: must be auto, true or false")
-    return auto if setting == "auto" else setting
-
-
-def is_switch(setting: Any) -> bool:
-    return isinstance(setting, bool) or setting == "auto"
 
 
 # The values a field of a fixed set of words takes: what validate() accepts and what a command-line shortcut offers.
@@ -109,10 +98,7 @@ class DrafterConfig:
     drafter.overrides choose). With drafter.init_from of another family, its backbone is kept and the heads start
     new."""
     freeze_backbone: bool = False
-    """Train only what the family adds (DSpark's Markov and confidence heads; DFlash2's convolutions and selector)
-    on the backbone of drafter.init_from, which stays as it is: a converged backbone keeps what it learned on far
-    more data. From a DFlash backbone, DSpark needs drafter.dspark.sample_from_anchor: false (DFlash's block slots:
-    the backbone's anchor slot never learned to draft)."""
+    """Train only what the family adds (its heads, DFlash2's convolutions) on drafter.init_from's backbone, kept."""
     dspark: DSparkHeads = field(default_factory=DSparkHeads)
     dflash2: DFlash2Parts = field(default_factory=DFlash2Parts)
 
@@ -303,16 +289,6 @@ class RunConfig:
                 "drafter.overrides",
                 not (self.drafter.overrides and self.drafter.init_from),
                 "cannot change a drafter loaded from drafter.init_from (set drafter.init_from: null to train a new one)",
-            ),
-            (
-                "drafter.freeze_backbone",
-                not self.drafter.freeze_backbone or bool(self.drafter.init_from),
-                "needs drafter.init_from (a new backbone frozen would never learn)",
-            ),
-            (
-                "drafter.freeze_backbone",
-                not self.drafter.freeze_backbone or self.drafter.family != "dflash",
-                "needs drafter.family dspark or dflash2 (a DFlash drafter is its backbone: nothing would train)",
             ),
             ("drafter.block_size", self.drafter.block_size >= 2, "must be >= 2 (the anchor plus one drafted token)"),
             ("data.max_length", self.data.max_length >= self.drafter.block_size, "must be >= drafter.block_size"),
