@@ -19,12 +19,12 @@ SHORTCUTS = (
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from flashdraft import export
-
+    # Not flashdraft.export's docstring: importing it brings transformers and torch into every `flashdraft --help`.
     parser = subparsers.add_parser(
         "export",
         help="write a drafter for SGLang / vLLM / dflash",
-        description=export.__doc__.split("\n\n")[0],
+        description="`flashdraft export`: write a drafter that SGLang, vLLM, speculators and the reference `dflash` "
+        "package load.",
     )
     options.add(parser, execute, SHORTCUTS)
     return parser

@@ -27,3 +27,16 @@ def test_fla_cpu_warning_is_silenced_and_nothing_else():
     assert run.returncode == 0, run.stderr
     assert FLA_CPU_WARNING not in run.stderr
     assert "a warning of flashdraft's own" in run.stderr and "another warning of fla" in run.stderr
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`flashdraft --help` and every command's parser are built without the heavy libraries (the export parser once
+    imported its module for a docstring: 11 s of transformers and torch for a help text)."""
+    code = (
+        "import sys\n"
+        "from flashdraft import cli\n"
+        "cli.build_parser().format_help()\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
