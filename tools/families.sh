@@ -7,7 +7,10 @@
 # SCRATCH (variants trained from a fresh drafter, SCRATCH_STEPS steps at the recipe's lr) and SHIPPED (variants
 # started from the shipped drafter, SHIPPED_STEPS steps at SHIPPED_LR); ROWS: training rows already made (skips
 # the regeneration); SET: overrides for every variant; SWEEP_ARGS: more arguments of tools/sweep.py (e.g.
-# "--block-size 8": every variant trained and decoded at block 8).
+# "--block-size 8": every variant trained and decoded at block 8). The regeneration (about 4 minutes) and the sweeps
+# do not fit one 10-minute device call together: ONLY_ROWS=1 stops after the regeneration, leaving the rows in
+# $OUT/rows.tar.gz to carry into the next call, which passes them as ROWS. Results (tables, charts, logs, each
+# variant's drafter) end in $OUT/results.tar.gz, one file to bring back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the folder for the results}
@@ -22,6 +25,8 @@ if [ -z "${ROWS:-}" ]; then
     T1_PROMPTS_PER_FILE=${T1_PROMPTS_PER_FILE:-60} REGEN_T0_SECONDS=${REGEN_T0_SECONDS:-150} \
     REGEN_T1_SECONDS=${REGEN_T1_SECONDS:-90} bash examples/tiny_target/pipeline.sh > "$OUT/regen.log" 2>&1
   ROWS="$B/regen_t0.jsonl $B/regen_t1.jsonl $PWD/flashdraft/bundled/train.jsonl"
+  tar czf "$OUT/rows.tar.gz" -C "$B" regen_t0.jsonl regen_t1.jsonl
+  if [ -n "${ONLY_ROWS:-}" ]; then tail -4 "$OUT/regen.log"; exit 0; fi
 fi
 LOOKUP=$OUT/lookup.json
 sweep() {  # name steps [overrides...]: one variant's sweep into $OUT/<name>
@@ -46,3 +51,5 @@ for group in scratch shipped; do
   [ -n "$runs" ] && python3 tools/sweep.py --out "$OUT/$group" --merge $runs > "$OUT/merge-$group.log" 2>&1
   cat "$OUT/$group/sweep.md" 2>/dev/null
 done
+tar czf "$OUT/results.tar.gz" -C "$OUT" --exclude=build --exclude=shards --exclude=optimizer.pt \
+  --exclude=rows.tar.gz --exclude=results.tar.gz .
