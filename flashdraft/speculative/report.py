@@ -141,6 +141,9 @@ def _print_timing(report: dict, console) -> None:
     console.print(table)
 
 
+SLOW_SHOWN = 8  # slow prompts named in the warning
+
+
 def _warn_slow_prompts(report: dict, console) -> None:
     """A warning naming each prompt whose steady rounds were over twice its method's median, with a hint why."""
     from rich.text import Text
@@ -152,14 +155,18 @@ def _warn_slow_prompts(report: dict, console) -> None:
         slow += [(entry["context_length"], row) for row in entry.get("slow_prompts") or ()]
     if not slow:
         return
+    slow.sort(key=lambda entry: -entry[1]["times_median"])  # the slowest first; a loaded machine flags many
+    shown, rest = slow[:SLOW_SHOWN], len(slow) - SLOW_SHOWN
     lines = [
         f"  {LABELS[r['method']]}, prompt {r['prompt'] + 1} ({r['category']}, {r['prompt_tokens']} tokens"
         + ("" if length is None else f", context {length}")
         + f", {r['backend']}): steady round {_fmt(r['steady_round_ms'])} ms, {_fmt(r['times_median'], 1)}x the "
         f"median {_fmt(r['median_steady_round_ms'])} ms; prefill {_fmt(r['prefill_ms'])} ms, first round "
         f"{_fmt(r['first_round_ms'])} ms"
-        for length, r in slow
+        for length, r in shown
     ]
+    if rest > 0:
+        lines.append(f"  ... and {rest} more (the JSON report's slow_prompts lists them all)")
     head = f"warning: {len(slow)} prompt(s) with steady rounds over {SLOW_FACTOR:g}x their method's median:"
     # As plain text: a category is the user's, and brackets in it must not read as markup.
     console.print(Text("\n".join([head, *lines, f"  hint: {SLOW_HINT}"]), style="yellow"))

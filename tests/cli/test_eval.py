@@ -534,3 +534,11 @@ def test_slow_prompts_are_named_in_a_warning(models, tmp_path, capsys):
     assert "DFlash, prompt 2 ([bold]code" in text and "steady round 50.00 ms, 5.0x the median 10.00 ms" in text
     assert "recaptured" in text or "captured again" in text
     assert "fallback to the plain loop" in text and "host synchronisation per token" in text
+    # Many slow prompts (a loaded machine): the slowest are named, the rest counted.
+    report["slow_prompts"] = [{**slow, "prompt": i, "times_median": 2.0 + i / 10} for i in range(12)]
+    console = Console(width=200, record=True)
+    print_report(report, console=console)
+    text = console.export_text()
+    assert "warning: 12 prompt(s)" in text and "... and 4 more (the JSON report's slow_prompts lists them all)" in text
+    named = [n for n in range(1, 13) if f"DFlash, prompt {n} (" in text]
+    assert named == list(range(5, 13))  # the 8 slowest: prompts 4 .. 11, shown 1-based
