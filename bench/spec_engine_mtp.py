@@ -45,6 +45,7 @@ def random_head(target):
 def mtp_engine_numbers(target, head, ids: torch.Tensor, graphs: bool, iters: int, num_drafts: int) -> dict:
     """The MTP runner on the engine: its draft (pending rows + the chain) and a full round, as `engine_numbers`."""
     from flashdraft.speculative.engine import session as loop
+    from flashdraft.speculative.engine.rounds import verify_round
 
     greedy = (0.0, 1.0, 0)
     sess = loop.session(target, ids.shape[1] + (ROUNDS + 4) * (iters + 2) + 4 * BLOCK, BLOCK, None, graphs)
@@ -57,7 +58,7 @@ def mtp_engine_numbers(target, head, ids: torch.Tensor, graphs: bool, iters: int
         runner.draft()
         for i in range(ROUNDS):
             engine.verify_ids[:1].copy_(runner.block_ids)
-            loop._verify_round(engine, runner, runner.drafts, None, greedy, None, i + 1 < ROUNDS)
+            verify_round(engine, runner, runner.drafts, None, greedy, None, i + 1 < ROUNDS)
         engine.join()
 
     out["round_ms"] = timed_ms(rounds, iters) / ROUNDS

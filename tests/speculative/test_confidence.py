@@ -11,6 +11,7 @@ import torch
 
 from flashdraft.speculative import generate
 from flashdraft.speculative.engine import session
+from flashdraft.speculative.engine.rounds import GreedyRound
 from flashdraft.speculative.prompt_stats import Calibration
 from flashdraft.speculative.result import GenerationResult
 
@@ -216,15 +217,14 @@ def test_engine_records_the_heads_confidence_of_the_drafts_it_verifies(config, m
     drafter = random_drafter(target, block_size=4, seed=14, family="dspark").to(device)
     with torch.no_grad():
         drafter.confidence_head.proj.weight.mul_(20)  # predictions spread over (0, 1), not all ~0.5
-    verified, verify_round = [], session._verify_round
+    verified, emit = [], GreedyRound.emit
 
-    def spy(engine, runner, drafts, *args, **kwargs):
-        proposed = drafts.tolist()  # a view of the runner's buffer, which the next draft (enqueued ahead) overwrites
-        new, confidence = verify_round(engine, runner, drafts, *args, **kwargs)
-        verified.append((proposed, confidence))
+    def spy(greedy, want):
+        new, confidence = emit(greedy, want)
+        verified.append((greedy.values[2 : 2 + want].tolist(), confidence))  # the drafts this round verified
         return new, confidence
 
-    monkeypatch.setattr(session, "_verify_round", spy)
+    monkeypatch.setattr(GreedyRound, "emit", spy)
     prompt = torch.randint(0, 255, (1, 11), generator=torch.Generator().manual_seed(2)).to(device)
     with ready(target):
         result = session.engine_decode(target, prompt, 24, drafter=drafter, block_size=4, graphs=graphs)

@@ -131,7 +131,12 @@ class DrafterRunner:
         fixed each draft, as the plain loop computes them."""
         if self.noise is not None:
             self.noise.copy_(gumbel_noise(self.noise.shape, self.generator, self.device))
-        self.step()
+        self.passes(self.step)
+
+    def passes(self, step) -> None:
+        """The block drafted by `step` (the captured step, or its body inside a larger graph: `rounds.py`) in the
+        passes `refine` asks for."""
+        step()
         fixed = 0
         kept = None if self.confidence is None or not self.refine else torch.empty_like(self.confidence)
         for keep in self.refine:
@@ -139,7 +144,7 @@ class DrafterRunner:
             if kept is not None:
                 kept[fixed:keep].copy_(self.confidence[fixed:keep])
             fixed = keep
-            self.step()
+            step()
         if fixed:
             self.drafts[:fixed].copy_(self.block_ids[1 : 1 + fixed])
             self.block_ids[1:].fill_(self.mask_token_id)

@@ -10,7 +10,8 @@ of the plain loop.
 One round: the drafter's step (pending context features, then the block) -> the target's verification of the
 block -> acceptance on the device (argmax agreement, or rejection sampling) -> commit of the accepted prefix
 and the next anchor, all enqueued without waiting; then one read of the accepted length and tokens, the only
-host synchronisation of the round (a clock read there times the round: `GenerationResult.round_times`). Every
+host synchronisation of the round (a clock read there times the round: `GenerationResult.round_times`). A greedy
+round with a drafter is all of that as one step, one CUDA graph on a GPU (`rounds.py`). Every
 round verifies a full block (static shapes); near `max_new_tokens` only the first `want` drafts count, which can
 cut acceptance only in the round that ends the generation.
 
@@ -26,13 +27,14 @@ import warnings
 import torch
 
 from flashdraft import fastpath
+from flashdraft.speculative.engine import rounds
 from flashdraft.speculative.engine.drafter_runner import DrafterRunner
 from flashdraft.speculative.engine.mtp_runner import MTPRunner
+from flashdraft.speculative.engine.rounds import GreedyRound
 from flashdraft.speculative.engine.target_runner import TargetEngine, unsupported_reason
 from flashdraft.speculative.result import GenerationResult
 from flashdraft.speculative.sampling import (
     next_token,
-    rejection_sample_tensors,
     sample,
     sampling_probs,
     validate_request,
@@ -50,6 +52,7 @@ class Session:
         self.engine, self.graphs = engine, graphs
         self.runners: dict[tuple, DrafterRunner] = {}
         self.mtp_runners: dict[tuple, MTPRunner] = {}
+        self.rounds: dict[tuple, GreedyRound] = {}
         # Why a capture failed (the steps then run eagerly: slower, same results); None if none did.
         self.capture_error: str | None = None
         if graphs:
@@ -75,9 +78,10 @@ class Session:
             step.reset()
         self.runners.clear()
         self.mtp_runners.clear()
+        self.rounds.clear()
 
     def _all_runners(self) -> list:
-        return [*self.runners.values(), *self.mtp_runners.values()]
+        return [*self.runners.values(), *self.mtp_runners.values(), *self.rounds.values()]
 
     @property
     def captured(self) -> bool:
@@ -96,6 +100,17 @@ class Session:
             self.runners[key] = runner
         runner.generator = generator
         return runner
+
+    def greedy_round(self, runner: DrafterRunner) -> GreedyRound:
+        """The one-step greedy round of `runner` with its current `refine` (its graph bakes in the passes)."""
+        key = (id(runner), runner.refine)
+        found = self.rounds.get(key)
+        if found is None or found.runner is not runner:
+            found = GreedyRound(self.engine, runner)
+            if self.graphs and self.capture_error is None:
+                self._capture(found)
+            self.rounds[key] = found
+        return found
 
     def mtp_runner(self, head: torch.nn.Module, num_drafts: int, sampling, generator) -> MTPRunner:
         """The MTP runner for `head` with these settings (its graph bakes in the number of drafts and sampling)."""
@@ -244,6 +259,8 @@ def engine_decode(
         runner.refine = tuple(refine)
     if mtp is not None:
         runner = sess.mtp_runner(mtp, num_drafts, sampling, generator)
+    # Greedy drafter rounds run as one step (rounds.py), captured here, before the prefill fills the caches.
+    greedy = sess.greedy_round(runner) if isinstance(runner, DrafterRunner) and temperature <= 0 else None
     result.backend = "engine+graphs" if sess.captured else "engine"
     stops = set(stop_token_ids or ())
 
@@ -266,36 +283,45 @@ def engine_decode(
     drafted = False  # the runner already drafted this round's block (enqueued by the previous round)
     while len(result.tokens) < max_new_tokens and not result.stopped:
         want = min(num_drafts, max_new_tokens - len(result.tokens) - 1)
-        drafts = draft_probs = None
-        if want > 0 and runner is not None:
-            if not drafted:
-                runner.draft()
-            if temperature > 0 and runner.probs is not None:  # drawn inside the step: each draft feeds the next
-                drafts, draft_probs = runner.drafts[:want], runner.probs[:want]
-            elif temperature > 0:
-                draft_probs = sampling_probs(runner.logits[:want], *sampling)
-                drafts = sample(draft_probs, generator)
-            else:
-                drafts = runner.drafts[:want]
-            engine.verify_ids[:1].copy_(runner.block_ids[:1])
-        elif want > 0 and lookup is not None:
-            proposed, _ = lookup.propose(torch.tensor(history), want)
-            if proposed is not None:
-                drafts = proposed.to(device)
-                engine.verify_ids[0] = last
         result.num_target_forwards += 1
         confidence = []
-        if drafts is None:
-            new = [_decode_step(engine, last, sampling, generator)]
+        if want > 0 and greedy is not None:
+            if not drafted:
+                runner.draft()
+            new, confidence = greedy.emit(want)
+            drafted, offered = True, want
         else:
-            want = drafts.shape[0]
-            # Draft the next block before reading this round's result when a next round surely follows.
-            ahead = runner is not None and len(result.tokens) + want + 2 < max_new_tokens
-            new, confidence = _verify_round(engine, runner, drafts, draft_probs, sampling, generator, ahead, verify)
-            drafted = ahead
-            for i in range(want):
-                result.position_offered[i] += 1
-                result.position_accepted[i] += i < len(new) - 1
+            drafts = draft_probs = None
+            if want > 0 and runner is not None:
+                if not drafted:
+                    runner.draft()
+                if temperature > 0 and runner.probs is not None:  # drawn inside the step: each draft feeds the next
+                    drafts, draft_probs = runner.drafts[:want], runner.probs[:want]
+                elif temperature > 0:
+                    draft_probs = sampling_probs(runner.logits[:want], *sampling)
+                    drafts = sample(draft_probs, generator)
+                else:
+                    drafts = runner.drafts[:want]
+                engine.verify_ids[:1].copy_(runner.block_ids[:1])
+            elif want > 0 and lookup is not None:
+                proposed, _ = lookup.propose(torch.tensor(history), want)
+                if proposed is not None:
+                    drafts = proposed.to(device)
+                    engine.verify_ids[0] = last
+            offered = 0 if drafts is None else drafts.shape[0]
+            if drafts is None:
+                new = [_decode_step(engine, last, sampling, generator)]
+            else:
+                want = drafts.shape[0]
+                # Draft the next block before reading this round's result when a next round surely follows.
+                ahead = runner is not None and len(result.tokens) + want + 2 < max_new_tokens
+                new, confidence = rounds.verify_round(
+                    engine, runner, drafts, draft_probs, sampling, generator, ahead, verify
+                )
+                drafted = ahead
+        for i in range(offered):
+            result.position_offered[i] += 1
+            result.position_accepted[i] += i < len(new) - 1
         result.drafts_accepted.append(len(new) - 1)
         if predicts:
             result.confidences.append(confidence or [])
@@ -320,55 +346,3 @@ def _decode_step(engine: TargetEngine, token: int, sampling, generator) -> int:
     engine.decode_ids.fill_(token)
     engine.decode()
     return int(next_token(engine.decode_logits[0], *sampling, generator))
-
-
-def _verify_round(
-    engine, runner, drafts, draft_probs, sampling, generator, draft_ahead: bool = False, verify: str = "block"
-) -> tuple[list[int], list[float] | None]:
-    """Verify `drafts` (after the anchor already in verify_ids[0]), commit the accepted prefix; the emitted tokens,
-    and the drafter's predicted acceptance of each draft (`DrafterRunner.confidence`; None without one).
-
-    draft_ahead: also enqueue the runner's next draft (it needs only device values) before the host reads the
-    result, so that the GPU drafts while the host reads and enqueues the next verification.
-    """
-    want = drafts.shape[0]
-    engine.verify_ids[1 : 1 + want].copy_(drafts)
-    engine.verify()
-    logits = engine.verify_logits[: want + 1]
-    if sampling[0] <= 0:
-        choice = logits.argmax(dim=-1)
-        accepted = (drafts == choice[:want]).to(torch.int64).cumprod(0).sum()
-        bonus = choice.index_select(0, accepted.view(1))[0]
-    else:
-        target_probs = sampling_probs(logits, *sampling)
-        accepted, bonus = rejection_sample_tensors(drafts, draft_probs, target_probs, generator, verify)
-    engine.keep.copy_(accepted + 1)
-    engine.commit()
-    if isinstance(runner, MTPRunner):
-        runner.note_verified(accepted, bonus)
-    elif runner is not None:
-        runner.pending.copy_(engine.keep)
-        runner.block_ids[:1].copy_(bonus.view(1))
-    # The one host synchronisation of the round.
-    values = torch.cat([accepted.view(1), bonus.view(1), drafts])
-    confidence = getattr(runner, "confidence", None)
-    confidence = None if confidence is None else confidence[:want]
-    host = None
-    if draft_ahead:
-        if engine.host_values is not None:  # on a GPU: read through pinned memory while the draft runs
-            host = engine.host_values[: values.shape[0]]
-            host.copy_(values, non_blocking=True)
-            if confidence is not None:
-                confidence = runner.host_confidence[:want].copy_(confidence, non_blocking=True)
-            engine.read_event.record()
-        elif confidence is not None:
-            confidence = confidence.clone()  # the next draft overwrites the runner's buffer
-        runner.draft()
-    if host is not None:
-        engine.read_event.synchronize()
-        values = host.tolist()
-    else:
-        values = values.tolist()
-    count = values[0]
-    engine.note_committed(count + 1)
-    return values[2 : 2 + count] + [values[1]], None if confidence is None else confidence.tolist()

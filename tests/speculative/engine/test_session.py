@@ -7,6 +7,7 @@ import torch
 from flashdraft.speculative import autoregressive_generate, generate, prompt_lookup_generate
 from flashdraft.speculative.engine import session
 from flashdraft.speculative.engine.drafter_runner import DrafterRunner
+from flashdraft.speculative.engine.rounds import GreedyRound
 
 from .. import one_thread, random_drafter, ready, reference_greedy, tiny_target  # noqa: F401 (autouse fixture)
 from ..test_sampling import CASES, P_MIN, _sample_tokens_2_and_3
@@ -114,14 +115,15 @@ def test_greedy_chained_drafter_equals_target_greedy_and_the_plain_loop(setup, f
 
 
 class ScriptedRunner(DrafterRunner):
-    """Drafts a known continuation, wrong at `error_rate` (eagerly): acceptance lengths span 1 .. bs."""
+    """Drafts a known continuation, wrong at `error_rate` (eagerly): acceptance lengths span 1 .. bs. It replaces
+    the step's body, which the runner's own step and the greedy round (rounds.py) both run."""
 
     def __init__(self, drafter, engine, script, error_rate, seed):
         super().__init__(drafter, engine)
         self.script, self.error_rate = script, error_rate
         self.rng = torch.Generator().manual_seed(seed)
 
-    def draft(self):
+    def _draft(self):
         anchor = int(self.context + self.pending)
         self.context.fill_(anchor)
         self.pending.zero_()
@@ -142,9 +144,10 @@ def test_every_acceptance_length_and_stops(setup, block_size, error_rate):
             sess = session.session(
                 target, prompt.shape[1] + max_new, block_size, list(drafter.target_layer_ids), graphs
             )
-            sess.runners[(id(drafter), None)] = ScriptedRunner(
-                drafter, sess.engine, prompt[0].tolist() + expected, error_rate, seed=i
-            )
+            scripted = ScriptedRunner(drafter, sess.engine, prompt[0].tolist() + expected, error_rate, seed=i)
+            sess.runners[(id(drafter), None)] = scripted
+            # Its round uncaptured, as the runner is: the script is read on the host.
+            sess.rounds[(id(scripted), ())] = GreedyRound(sess.engine, scripted)
             result = generate(target, drafter, prompt, max_new, block_size=block_size, engine=True)
             assert result.tokens == expected, f"prompt {i}"
             _check_stats(result, block_size)
@@ -180,18 +183,19 @@ def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monke
     drafter = DFlashDraftModel.from_pretrained(bundled.drafter_dir(), dtype=torch.float64).eval()
     tokenizer = bundled.load_tokenizer()
     drafts = {"engine": [], "plain": []}
-    verify_round, propose = session._verify_round, plain_loop.DFlashProposer.propose
+    emit, propose = GreedyRound.emit, plain_loop.DFlashProposer.propose
 
-    def engine_round(engine, runner, proposed, *args, **kwargs):
-        drafts["engine"][-1].append(proposed.tolist())
-        return verify_round(engine, runner, proposed, *args, **kwargs)
+    def engine_round(greedy, want):
+        emitted = emit(greedy, want)
+        drafts["engine"][-1].append(greedy.values[2 : 2 + want].tolist())  # the round's verified drafts
+        return emitted
 
     def plain_round(self, tokens, num_drafts):
         proposed, probs = propose(self, tokens, num_drafts)
         drafts["plain"][-1].append(proposed.tolist())
         return proposed, probs
 
-    monkeypatch.setattr(session, "_verify_round", engine_round)
+    monkeypatch.setattr(GreedyRound, "emit", engine_round)
     monkeypatch.setattr(plain_loop.DFlashProposer, "propose", plain_round)
     lines = bundled.eval_prompts().read_text().splitlines()[:4]
     accepted = rounds = 0

@@ -1,0 +1,167 @@
+"""A speculative round on the engine: greedy with a drafter, one step (one CUDA graph replay on a GPU, then one
+small copy to the host); otherwise (sampling, prompt lookup, the target's MTP head) the separate steps.
+
+    rnd = GreedyRound(engine, runner)     # captured (on a GPU) before the caches fill, like every step
+    runner.draft()                        # the first block, after the prefill
+    tokens, confidence = rnd.emit(want)   # verify it, accept, commit, draft the next block: one replay, one read
+    tokens, confidence = verify_round(engine, runner, drafts, draft_probs, sampling, generator)  # separate steps
+
+The step verifies the anchor (`runner.block_ids[0]`) and every draft, accepts the longest prefix of drafts that
+agree with the target's argmax, writes the number to keep on the device, commits it (the hybrid layers' states
+rolled back to it: `commit_linear`), hands the bonus token to the drafter as the next anchor and drafts the next
+block: what the round of separate steps did with three graph replays and the acceptance's kernels launched one by
+one between them. The round's values land in one buffer, read through pinned memory. Every round verifies the
+whole block; near `max_new_tokens` the caller keeps the first `want + 1` tokens, which the greedy rule makes the
+target's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashdraft.speculative.engine.drafter_runner import DrafterRunner
+from flashdraft.speculative.engine.graphs import Step, capture_all
+from flashdraft.speculative.engine.mtp_runner import MTPRunner
+from flashdraft.speculative.engine.target_runner import TargetEngine
+from flashdraft.speculative.sampling import rejection_sample_tensors, sampling_probs
+
+
+class GreedyRound:
+    """Verification, acceptance, commit and the next draft of a greedy round, as one step (module docstring)."""
+
+    def __init__(self, engine: TargetEngine, runner: DrafterRunner):
+        if runner.probs is not None:
+            raise ValueError("a greedy round needs a runner that drafts greedily (temperature 0)")
+        self.engine, self.runner = engine, runner
+        n, device = runner.num_drafts, engine.device
+        # accepted, bonus, then the drafts the round verified.
+        self.values = torch.zeros(n + 2, dtype=torch.long, device=device)
+        confident = runner.confidence is not None
+        self.confidence = torch.zeros(n, device=device) if confident else None
+        cuda = device.type == "cuda"
+        self.host_values = torch.zeros(n + 2, dtype=torch.long, pin_memory=True) if cuda else None
+        self.host_confidence = torch.zeros(n, pin_memory=True) if cuda and confident else None
+        self.read_event = torch.cuda.Event() if cuda else None
+        self.step = Step(self._round, "round")
+
+    def capture(self) -> None:
+        """Record the round as a CUDA graph. Its warm-up runs really verify, commit and draft: call it before the
+        prefill (as the engine's and the runner's own captures are); it starts them from position 0 and leaves
+        them there."""
+        self.engine.join()
+        with torch.inference_mode():
+            self._rewind()
+            capture_all([self.step])
+            self._rewind()
+
+    def _rewind(self) -> None:
+        self.engine.length.zero_()
+        self.engine.keep.fill_(1)
+        self.runner.context.zero_()
+        self.runner.pending.zero_()
+
+    @torch.inference_mode()
+    def run(self) -> None:
+        """Enqueue the round, then the copy of its values to the host (read them with `read`)."""
+        engine = self.engine
+        engine._check_room(engine.block_size)
+        engine.join()
+        self.step()
+        if self.host_values is not None:
+            self.host_values.copy_(self.values, non_blocking=True)
+            if self.host_confidence is not None:
+                self.host_confidence.copy_(self.confidence, non_blocking=True)
+            self.read_event.record()
+
+    def read(self) -> tuple[int, int, list[int], list[float] | None]:
+        """(drafts accepted, the bonus token, the drafts verified, the drafter's confidence in each): the round's one
+        host synchronisation. Notes the committed tokens on the engine."""
+        if self.host_values is not None:
+            self.read_event.synchronize()
+            values, confidence = self.host_values.tolist(), self.host_confidence
+        else:
+            values, confidence = self.values.tolist(), self.confidence
+        accepted = values[0]
+        self.engine.note_committed(accepted + 1)
+        return accepted, values[1], values[2:], None if confidence is None else confidence.tolist()
+
+    def emit(self, want: int) -> tuple[list[int], list[float] | None]:
+        """Run the round and read it: the tokens it emits (at most `want` drafts and one more) and the drafter's
+        confidence in each of the first `want` drafts."""
+        self.run()
+        accepted, bonus, verified, confidence = self.read()
+        # Past `want` the accepted drafts are the target's argmax too: the first want + 1 tokens are its own.
+        new = verified[: want + 1] if accepted > want else verified[:accepted] + [bonus]
+        return new, None if confidence is None else confidence[:want]
+
+    def _round(self) -> None:
+        engine, runner = self.engine, self.runner
+        drafts = runner.drafts
+        engine.verify_ids[:1].copy_(runner.block_ids[:1])
+        engine.verify_ids[1:].copy_(drafts)
+        engine._verify()
+        choice = engine.verify_logits.argmax(dim=-1)
+        accepted = (drafts == choice[:-1]).to(torch.int64).cumprod(0).sum()
+        bonus = choice.index_select(0, accepted.view(1))
+        engine.keep.copy_(accepted + 1)
+        engine._commit()
+        self.values[:1].copy_(accepted.view(1))
+        self.values[1:2].copy_(bonus)
+        self.values[2:].copy_(drafts)
+        if self.confidence is not None:
+            self.confidence.copy_(runner.confidence)  # the next draft overwrites the runner's
+        runner.pending.copy_(engine.keep)
+        runner.block_ids[:1].copy_(bonus)
+        runner.passes(runner._draft)
+
+
+def verify_round(
+    engine, runner, drafts, draft_probs, sampling, generator, draft_ahead: bool = False, verify: str = "block"
+) -> tuple[list[int], list[float] | None]:
+    """Verify `drafts` (after the anchor already in verify_ids[0]), commit the accepted prefix; the emitted tokens,
+    and the drafter's predicted acceptance of each draft (`DrafterRunner.confidence`; None without one).
+
+    draft_ahead: also enqueue the runner's next draft (it needs only device values) before the host reads the
+    result, so that the GPU drafts while the host reads and enqueues the next verification.
+    """
+    want = drafts.shape[0]
+    engine.verify_ids[1 : 1 + want].copy_(drafts)
+    engine.verify()
+    logits = engine.verify_logits[: want + 1]
+    if sampling[0] <= 0:
+        choice = logits.argmax(dim=-1)
+        accepted = (drafts == choice[:want]).to(torch.int64).cumprod(0).sum()
+        bonus = choice.index_select(0, accepted.view(1))[0]
+    else:
+        target_probs = sampling_probs(logits, *sampling)
+        accepted, bonus = rejection_sample_tensors(drafts, draft_probs, target_probs, generator, verify)
+    engine.keep.copy_(accepted + 1)
+    engine.commit()
+    if isinstance(runner, MTPRunner):
+        runner.note_verified(accepted, bonus)
+    elif runner is not None:
+        runner.pending.copy_(engine.keep)
+        runner.block_ids[:1].copy_(bonus.view(1))
+    # The one host synchronisation of the round.
+    values = torch.cat([accepted.view(1), bonus.view(1), drafts])
+    confidence = getattr(runner, "confidence", None)
+    confidence = None if confidence is None else confidence[:want]
+    host = None
+    if draft_ahead:
+        if engine.host_values is not None:  # on a GPU: read through pinned memory while the draft runs
+            host = engine.host_values[: values.shape[0]]
+            host.copy_(values, non_blocking=True)
+            if confidence is not None:
+                confidence = runner.host_confidence[:want].copy_(confidence, non_blocking=True)
+            engine.read_event.record()
+        elif confidence is not None:
+            confidence = confidence.clone()  # the next draft overwrites the runner's buffer
+        runner.draft()
+    if host is not None:
+        engine.read_event.synchronize()
+        values = host.tolist()
+    else:
+        values = values.tolist()
+    count = values[0]
+    engine.note_committed(count + 1)
+    return values[2 : 2 + count] + [values[1]], None if confidence is None else confidence.tolist()
