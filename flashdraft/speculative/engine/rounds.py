@@ -11,7 +11,7 @@ agree with the target's argmax, writes the number to keep on the device, commits
 rolled back to it: `commit_linear`), hands the bonus token to the drafter as the next anchor and drafts the next
 block: what the round of separate steps did with three graph replays and the acceptance's kernels launched one by
 one between them. The round's values land in one buffer, read through pinned memory. Every round verifies the
-whole block; near `max_new_tokens` the caller keeps the first `want + 1` tokens, which the greedy rule makes the
+whole block; near `max_new_tokens`, `emit` keeps the first `want + 1` tokens, which the greedy rule makes the
 target's own.
 """
 
