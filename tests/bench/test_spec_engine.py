@@ -2,23 +2,13 @@
 step and as separate steps, and its checks pass; the JSON holds them."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from . import run_bench
 
 
 def test_smoke_measures_the_round_both_ways_and_checks_the_engine(tmp_path):
     out = tmp_path / "engine.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.spec_engine", "--smoke", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = run_bench("spec_engine", "--smoke", "--json", str(out))
     report = json.loads(out.read_text())
     for ctx, row in report["contexts"].items():
         engine = row["engine"]

@@ -2,25 +2,14 @@
 warns only about what it runs."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from . import run_bench
 
 
 def test_smoke_runs_both_trainers_and_writes_the_report(tmp_path):
     out = tmp_path / "step.json"
     # 32 anchors fit the smoke's 96 tokens: no variant's config may be read at another length and warn otherwise.
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.train_step", "--smoke", "--family", "dspark", "--json", str(out)]
-        + ["recipe.num_anchors=32"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = run_bench("train_step", "--smoke", "--family", "dspark", "--json", str(out), "recipe.num_anchors=32")
     report = json.loads(out.read_text())
     rows = [r for r in report["results"] if "step_s" in r]
     assert sorted(r["variant"].split("[")[0] for r in rows) == ["flashdraft", "flashdraft", "naive (torch target)"]

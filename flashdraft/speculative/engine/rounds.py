@@ -38,10 +38,6 @@ class GreedyRound:
         self.values = torch.zeros(n + 2, dtype=torch.long, device=device)
         confident = runner.confidence is not None
         self.confidence = torch.zeros(n, device=device) if confident else None
-        cuda = device.type == "cuda"
-        self.host_values = torch.zeros(n + 2, dtype=torch.long, pin_memory=True) if cuda else None
-        self.host_confidence = torch.zeros(n, pin_memory=True) if cuda and confident else None
-        self.read_event = torch.cuda.Event() if cuda else None
         self.step = Step(self._round, "round")
 
     def capture(self) -> None:
@@ -67,22 +63,24 @@ class GreedyRound:
         engine._check_room(engine.block_size)
         engine.join()
         self.step()
-        if self.host_values is not None:
-            self.host_values.copy_(self.values, non_blocking=True)
-            if self.host_confidence is not None:
-                self.host_confidence.copy_(self.confidence, non_blocking=True)
-            self.read_event.record()
+        if engine.host_values is not None:  # on a GPU: the engine's and runner's pinned buffers, which fit a round
+            engine.host_values.copy_(self.values, non_blocking=True)
+            if self.confidence is not None:
+                self.runner.host_confidence.copy_(self.confidence, non_blocking=True)
+            engine.read_event.record()
 
     def read(self) -> tuple[int, int, list[int], list[float] | None]:
         """(drafts accepted, the bonus token, the drafts verified, the drafter's confidence in each): the round's one
         host synchronisation. Notes the committed tokens on the engine."""
-        if self.host_values is not None:
-            self.read_event.synchronize()
-            values, confidence = self.host_values.tolist(), self.host_confidence
+        engine = self.engine
+        if engine.host_values is not None:
+            engine.read_event.synchronize()
+            values = engine.host_values.tolist()
+            confidence = None if self.confidence is None else self.runner.host_confidence
         else:
             values, confidence = self.values.tolist(), self.confidence
         accepted = values[0]
-        self.engine.note_committed(accepted + 1)
+        engine.note_committed(accepted + 1)
         return accepted, values[1], values[2:], None if confidence is None else confidence.tolist()
 
     def emit(self, want: int) -> tuple[list[int], list[float] | None]:
@@ -100,19 +98,25 @@ class GreedyRound:
         engine.verify_ids[:1].copy_(runner.block_ids[:1])
         engine.verify_ids[1:].copy_(drafts)
         engine._verify()
-        choice = engine.verify_logits.argmax(dim=-1)
-        accepted = (drafts == choice[:-1]).to(torch.int64).cumprod(0).sum()
-        bonus = choice.index_select(0, accepted.view(1))
+        accepted, bonus = greedy_acceptance(drafts, engine.verify_logits)
         engine.keep.copy_(accepted + 1)
         engine._commit()
         self.values[:1].copy_(accepted.view(1))
-        self.values[1:2].copy_(bonus)
+        self.values[1:2].copy_(bonus.view(1))
         self.values[2:].copy_(drafts)
         if self.confidence is not None:
             self.confidence.copy_(runner.confidence)  # the next draft overwrites the runner's
         runner.pending.copy_(engine.keep)
-        runner.block_ids[:1].copy_(bonus)
+        runner.block_ids[:1].copy_(bonus.view(1))
         runner.passes(runner._draft)
+
+
+def greedy_acceptance(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(drafts accepted, the token after them) on the device: the longest prefix of `drafts` (n,) that agrees with
+    the argmax of `logits` (n + 1, V) at the anchor and each draft, and the argmax after that prefix."""
+    choice = logits.argmax(dim=-1)
+    accepted = (drafts == choice[:-1]).to(torch.int64).cumprod(0).sum()
+    return accepted, choice.index_select(0, accepted.view(1))[0]
 
 
 def verify_round(
@@ -129,9 +133,7 @@ def verify_round(
     engine.verify()
     logits = engine.verify_logits[: want + 1]
     if sampling[0] <= 0:
-        choice = logits.argmax(dim=-1)
-        accepted = (drafts == choice[:want]).to(torch.int64).cumprod(0).sum()
-        bonus = choice.index_select(0, accepted.view(1))[0]
+        accepted, bonus = greedy_acceptance(drafts, logits)
     else:
         target_probs = sampling_probs(logits, *sampling)
         accepted, bonus = rejection_sample_tensors(drafts, draft_probs, target_probs, generator, verify)
