@@ -2,7 +2,7 @@
 
     runner = DrafterRunner(drafter, target_engine)   # shares the engine's embedding, LM head and feature buffer
     runner.capture()                                 # CUDA graph of `draft` (before the cache fills)
-    runner.prefill(engine.prompt_features)           # context K/V of the prompt
+    runner.prefill()                                 # context K/V of the engine's prompt
     runner.block_ids[0] = last token; runner.draft() # runner.logits (bs - 1, V), runner.drafts (bs - 1,)
     runner.pending.fill_(k + 1)                      # the next draft first adds features of the k + 1 verified tokens
     runner.refine = (1, 3, 7)                        # greedy drafts in four passes (the plain loop's `refine`)
@@ -30,8 +30,8 @@ import torch
 from flashdraft.drafter.attention import _rotate
 from flashdraft.drafter.conv import around
 from flashdraft.speculative.engine import ops
-from flashdraft.speculative.engine.graphs import Step, capture_all
-from flashdraft.speculative.engine.target_runner import TargetEngine
+from flashdraft.speculative.engine.graphs import Step, capture_all, capture_or_warn
+from flashdraft.speculative.engine.target_runner import PREFILL_QUANTUM, TargetEngine
 from flashdraft.speculative.sampling import gumbel_noise, gumbel_pick, validate_sampling
 
 
@@ -101,6 +101,7 @@ class DrafterRunner:
         self.mask_token_id = int(drafter.mask_token_id)
         self.refine: tuple[int, ...] = ()
         self.step = Step(self._draft, "draft")
+        self.prefill_steps: dict[int, Step] = {}  # by the engine's padded prefill width (see `prefill`)
 
     def capture(self) -> None:
         if self.device.type != "cuda":
@@ -111,13 +112,41 @@ class DrafterRunner:
             self.pending.zero_()
 
     @torch.inference_mode()
-    def prefill(self, features: torch.Tensor) -> None:
-        """Cache the context K/V of the prompt's features (P, n * D); nothing is pending afterwards."""
-        positions = torch.arange(features.shape[0], device=self.device)
+    def prefill(self, features: torch.Tensor | None = None) -> None:
+        """Cache the context K/V of prompt features (P, n * D), by default those of the engine's last prefill (then,
+        where the engine padded it, one captured step per padded width reads its padded buffer: rows past the
+        prompt land in slots that stay masked until overwritten); nothing is pending afterwards."""
+        width = self.engine.prefill_padded_width if features is None else None
+        if width is None:
+            features = self.engine.prompt_features if features is None else features
+            self._prefill_body(features)
+            self.context.fill_(features.shape[0])
+        else:
+            self._prefill_step(width)()
+
+    def capture_prefill(self, longest: int) -> None:
+        """Capture the prefill step of every padded width the engine's prefills up to `longest` tokens use."""
+        last = self.engine.prefill_width(min(longest, self.engine.max_len)) or 0
+        for width in range(PREFILL_QUANTUM, last + 1, PREFILL_QUANTUM):
+            self._prefill_step(width)
+
+    def _prefill_step(self, width: int) -> Step:
+        step = self.prefill_steps.get(width)
+        if step is None:
+            step = self.prefill_steps[width] = Step(lambda: self._padded_prefill(width), f"drafter prefill {width}")
+            if self.step.graph is not None:
+                capture_or_warn(step, self.engine.prefill_pool())
+        return step
+
+    def _padded_prefill(self, width: int) -> None:
+        self._prefill_body(self.engine.prefill_features[:width])
+        self.context.copy_(self.engine.prefill_keep)
+
+    def _prefill_body(self, features: torch.Tensor) -> None:
+        positions = self.slot_index[: features.shape[0]]
         context = self._norm(self.drafter.hidden_norm, self.drafter.fc(features.to(self.dtype)))
         for layer, cache in zip(self.layers, self.kv, strict=True):
             self._cache_context(layer.self_attn, context, positions, cache)
-        self.context.fill_(features.shape[0])
         self.pending.zero_()
 
     @torch.inference_mode()

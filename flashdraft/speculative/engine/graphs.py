@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -76,3 +77,16 @@ def capture_all(steps: list[Step]) -> None:
     for step in steps:
         step.capture(pool)
     torch.cuda.synchronize()
+
+
+def capture_or_warn(step: Step, pool) -> str | None:
+    """Capture `step` into `pool`; a capture that fails is warned about and leaves the step eager (a kernel that
+    cannot be captured must not cost the user the generation). Returns the error, or None."""
+    try:
+        with torch.inference_mode():
+            step.capture(pool)
+    except Exception as exc:
+        step.reset()
+        warnings.warn(f"flashdraft engine: {exc}; running it eagerly", stacklevel=3)
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -121,7 +121,7 @@ def linear_attention(
     module, states: LinearStates, i: int, x: torch.Tensor, mode: str, gated_norm, prefill_keep: torch.Tensor | None
 ) -> torch.Tensor:
     """Gated DeltaNet layer `i` (transformers' Qwen3_5GatedDeltaNet arithmetic) over its static states: x (T, D)
-    -> (T, D). mode: "prefill" (from zero states; `prefill_keep` = T, a device tensor), "decode" (one token,
+    -> (T, D). mode: "prefill" (from zero states; the prompt's length `prefill_keep`, a device tensor, may be below T: the rest is padding), "decode" (one token,
     advances the states) or "verify" (reads the states, keeps what `commit_linear` needs)."""
     j = states.slot[i]
     conv, recurrent = states.conv[j], states.recurrent[j]
@@ -140,6 +140,11 @@ def linear_attention(
     if verify:
         states.block_qkv[j].copy_(qkv)
     beta = b.sigmoid()
+    if mode == "prefill":
+        # A padded prompt (target_runner): past its length the delta rule steps with beta = 0 and decay 1 (a = -inf
+        # gives g = -0), which leave the state as the prompt left it.
+        padding = (torch.arange(length, device=x.device) >= prefill_keep)[:, None]
+        a, beta = a.masked_fill(padding, float("-inf")), beta.masked_fill(padding, 0)
     q, k, v = _split_qkv(module, qkv)
     advance, chunked = not verify, mode == "prefill" and length > SHORT_PREFILL
     out, final = ops.delta_rule(

@@ -74,7 +74,9 @@ class Session:
         collector, they would be freed at an unknown moment)."""
         if self.engine.commit_stream is not None:
             self.engine.commit_stream.synchronize()  # no graph is freed while a commit may still run
-        for step in [*self.engine.steps.values(), *(r.step for r in self._all_runners())]:
+        steps = [*self.engine.steps.values(), *self.engine.prefill_steps.values()]
+        steps += [s for r in self.runners.values() for s in r.prefill_steps.values()]
+        for step in [*steps, *(r.step for r in self._all_runners())]:
             step.reset()
         self.runners.clear()
         self.mtp_runners.clear()
@@ -174,14 +176,23 @@ def session(
 
 
 def prepare(
-    target: torch.nn.Module, max_len: int, block_size: int, drafter: torch.nn.Module | None = None, graphs=None
+    target: torch.nn.Module,
+    max_len: int,
+    block_size: int,
+    drafter: torch.nn.Module | None = None,
+    graphs=None,
+    prompt_tokens: int = 0,
 ) -> Session:
-    """Build (and capture) the session that decoding up to `max_len` tokens will use, ahead of timed runs."""
+    """Build (and capture) the session that decoding up to `max_len` tokens will use, ahead of timed runs, with
+    the prefill graphs of prompts up to `prompt_tokens` tokens."""
     graphs = next(target.parameters()).device.type == "cuda" if graphs is None else graphs
     layers = list(drafter.target_layer_ids) if drafter is not None else None
     sess = session(target, max_len, verify_width(block_size, drafter), layers, graphs)
-    if drafter is not None:
-        sess.runner(drafter)
+    runner = sess.runner(drafter) if drafter is not None else None
+    if prompt_tokens and sess.engine.captured:
+        sess.engine.capture_prefill(prompt_tokens)
+        if runner is not None:
+            runner.capture_prefill(prompt_tokens)
     return sess
 
 
@@ -272,7 +283,7 @@ def engine_decode(
     if mtp is not None:
         runner.prefill(prompt, last)
     elif runner is not None:
-        runner.prefill(engine.prompt_features)
+        runner.prefill()
         runner.block_ids[0] = last
     history = prompt.tolist() + [last] if lookup is not None else None
     tick = _now(device)

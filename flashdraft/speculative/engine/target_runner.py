@@ -20,6 +20,13 @@ to a no-cache forward of the whole sequence.
 The final-normed hidden states (the LM head's input) of the prompt and of the last verified block are kept too
 (`prompt_hidden`, `verify_hidden`): the target's MTP layer reads them (`mtp_runner`).
 
+A prompt is prefilled by one CUDA graph once the engine is captured: the prompt padded to the next multiple of
+PREFILL_QUANTUM tokens (one graph per such width, captured on first use or ahead by `capture_prefill`), its
+true length in a device tensor. Past it the padding is inert: the delta rule steps with beta = 0 and decay 1,
+the conv window and `length` stop at the prompt, and keys written past it stay masked until overwritten. Eagerly
+a prefill costs a launch per kernel (tens of milliseconds for a small target, whatever its length). Longer prompts
+than PREFILL_GRAPH_MAX run eagerly: their compute outweighs the launches.
+
 On a GPU the commit runs on a side stream: nothing the drafter computes next depends on it, so it overlaps the
 next draft; the next decode, verify or prefill waits for it (`join`).
 
@@ -33,8 +40,12 @@ import torch
 
 from flashdraft.fastpath.backends import gated_norm_forward
 from flashdraft.speculative.engine import ops
-from flashdraft.speculative.engine.graphs import Step, capture_all
+from flashdraft.speculative.engine.graphs import Step, capture_all, capture_or_warn
 from flashdraft.speculative.engine.mixers import LinearStates, attention, commit_linear, linear_attention
+
+# Prompts are prefilled padded to a multiple of this (one graph per width) up to PREFILL_GRAPH_MAX tokens.
+PREFILL_QUANTUM = 64
+PREFILL_GRAPH_MAX = 2048
 
 _GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj")
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
@@ -146,7 +157,16 @@ class TargetEngine:
         # target's MTP layer reads (mtp_runner).
         self.verify_hidden = torch.zeros(block_size, self.inner.config.hidden_size, dtype=dt, device=dev)
         self.prompt_hidden: torch.Tensor | None = None
-        self.prefill_keep: torch.Tensor | None = None  # the prompt's length on the device, during a prefill
+        # The prompt's length on the device (a prefill's inputs past it are padding), and the padded prefill's
+        # static input and outputs, made on first use (`_prefill_buffers`).
+        self.prefill_keep = torch.zeros((), dtype=torch.long, device=dev)
+        self.prefill_ids: torch.Tensor | None = None
+        self.prefill_hidden: torch.Tensor | None = None
+        self.prefill_features: torch.Tensor | None = None
+        self.prefill_steps: dict[int, Step] = {}  # captured prefills by padded width
+        self.prefill_capture_error: str | None = None
+        self.prefill_padded_width: int | None = None  # the last prefill's, None where it ran unpadded
+        self._pool = None
         self.num_tokens = 0  # host mirror of `length`
         cuda = dev.type == "cuda"
         # The commit's own stream on a GPU (see the module docstring); None: commits run in line.
@@ -180,26 +200,74 @@ class TargetEngine:
         return all(step.graph is not None for step in self.steps.values())
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, pad_to: int | None = None) -> torch.Tensor:
         """Fill the caches with the prompt `ids` (1-D, from an empty cache); returns the last token's logits (V,).
 
-        Features of the prompt tokens are left in `prompt_features` (P, n * D) when feature layers were given.
+        Features of the prompt tokens are left in `prompt_features` (P, n * D) when feature layers were given,
+        their final-normed hidden states in `prompt_hidden` (both valid until the next prefill). pad_to: run the
+        prefill padded to this width (what a captured prefill replays; default: so once the engine is captured).
         """
         length = ids.shape[0]
         if not 0 < length <= self.max_len:
             raise ValueError(f"prompt of {length} tokens: the engine holds 1 .. max_len={self.max_len} tokens")
         self.join()
-        positions = torch.arange(length, device=self.device)
-        if self.linear is not None:
-            self.linear.conv.zero_()
-            self.linear.recurrent.zero_()
-        self.prefill_keep = torch.tensor(length, device=self.device)
-        hidden, features = self._forward(ids.to(self.device), positions, mode="prefill")
-        self.prompt_features = torch.cat(features, dim=-1) if features else None
+        width = self.prefill_width(length) if pad_to is None and self.captured else pad_to
+        most = min(PREFILL_GRAPH_MAX, self.slots)
+        if width is not None and not length <= width <= most:
+            raise ValueError(f"pad_to={width}: a prompt of {length} tokens pads to {length} .. {most}")
+        self.prefill_keep.fill_(length)
+        self.prefill_padded_width = width
+        if width is None:
+            hidden, features = self._prefill_body(ids.to(self.device))
+            self.prompt_features = torch.cat(features, dim=-1) if features else None
+        else:
+            self._prefill_buffers()
+            self.prefill_ids[:length].copy_(ids)
+            self.prefill_ids[length:width].zero_()
+            self._prefill_step(width)()
+            hidden = self.prefill_hidden[:length]
+            self.prompt_features = self.prefill_features[:length] if self.feature_layers else None
         self.prompt_hidden = hidden
-        self.length.fill_(length)
         self.num_tokens = length
         return self.lm_head(hidden[-1:])[0]
+
+    def prefill_width(self, length: int) -> int | None:
+        """The padded width a captured prefill of `length` tokens runs at, or None (eagerly)."""
+        width = -(-length // PREFILL_QUANTUM) * PREFILL_QUANTUM
+        return width if width <= min(PREFILL_GRAPH_MAX, self.slots) and self.prefill_capture_error is None else None
+
+    def capture_prefill(self, longest: int) -> None:
+        """Capture the prefill graphs of every width up to that of a `longest`-token prompt (ahead of timed runs;
+        the caches are overwritten). Needs a captured engine."""
+        if not self.captured:
+            raise RuntimeError("capture the engine first (capture_prefill records prefills for its graphs)")
+        last = self.prefill_width(min(longest, self.max_len))
+        for width in range(PREFILL_QUANTUM, (last or 0) + 1, PREFILL_QUANTUM):
+            self._prefill_step(width)
+
+    def _prefill_buffers(self) -> None:
+        if self.prefill_ids is not None:
+            return
+        rows, dev, dt = min(PREFILL_GRAPH_MAX, self.slots), self.device, self.dtype
+        self.prefill_ids = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.prefill_hidden = torch.zeros(rows, self.inner.config.hidden_size, dtype=dt, device=dev)
+        self.prefill_features = torch.zeros(rows, self.features.shape[1], dtype=dt, device=dev)
+
+    def _prefill_step(self, width: int) -> Step:
+        """The prefill padded to `width`: captured on a GPU once the engine is (after a capture that fails, every
+        later prefill runs unpadded)."""
+        self._prefill_buffers()
+        step = self.prefill_steps.get(width)
+        if step is None:
+            step = self.prefill_steps[width] = Step(lambda: self._padded_prefill(width), f"prefill {width}")
+            if self.captured:
+                self.prefill_capture_error = capture_or_warn(step, self.prefill_pool())
+        return step
+
+    def prefill_pool(self):
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()  # the prefill graphs run one at a time: one pool
+        return self._pool
 
     @torch.inference_mode()
     def decode(self) -> None:
@@ -251,6 +319,21 @@ class TargetEngine:
             raise RuntimeError(f"engine cache full: {self.num_tokens} + {tokens} tokens > {self.slots} slots")
 
     # ---- step bodies (captured; only static buffers in and out) ----------------------------------------------
+
+    def _prefill_body(self, ids: torch.Tensor):
+        """The prompt `ids` (true length in `prefill_keep`, any padding after it) from empty states."""
+        if self.linear is not None:
+            self.linear.conv.zero_()
+            self.linear.recurrent.zero_()
+        hidden, features = self._forward(ids, self.slot_index[: ids.shape[0]], mode="prefill")
+        self.length.copy_(self.prefill_keep)
+        return hidden, features
+
+    def _padded_prefill(self, width: int) -> None:
+        hidden, features = self._prefill_body(self.prefill_ids[:width])
+        self.prefill_hidden[:width].copy_(hidden)
+        if features:
+            self.prefill_features[:width].copy_(torch.cat(features, dim=-1))
 
     def _decode(self) -> None:
         positions = self.length + self.block_index[:1]

@@ -126,6 +126,36 @@ def test_a_chained_runner_walks_what_the_plain_loop_walks(kind, config):
     assert runner.drafts.shape[0] == bs - 1 + int(anchor_drafts)
 
 
+@pytest.mark.parametrize("config", CONFIGS)
+@torch.inference_mode()
+def test_a_padded_prefill_drafts_what_the_exact_one_drafts(config):
+    """After the engine's padded prefill (what its graph replays) the runner caches the prompt's context from the
+    padded buffer: its drafts equal those after an unpadded prefill, so no padded row is seen."""
+    from .. import random_drafter
+
+    device, dtype, graphs = config
+    target = tiny_target("qwen3_5", seed=5, dtype=dtype).to(device)
+    drafter = random_drafter(target, block_size=5, seed=6).to(device)
+    ids = torch.randint(0, 256, (13,), generator=torch.Generator().manual_seed(8)).to(device)
+    drafted = []
+    for pad_to in (None, 64):
+        engine = TargetEngine(target, max_len=64, block_size=5, feature_layers=list(drafter.target_layer_ids))
+        runner = DrafterRunner(drafter, engine)
+        if graphs:
+            engine.capture()
+            runner.capture()
+        engine.prefill(ids, pad_to=pad_to)
+        runner.prefill()
+        assert int(runner.context) == 13 and (pad_to is None) == (not runner.prefill_steps)
+        runner.block_ids[0] = 17
+        runner.draft()
+        drafted.append((runner.logits.clone(), runner.drafts.clone()))
+    (exact_logits, exact_drafts), (logits, drafts) = drafted
+    assert torch.equal(drafts, exact_drafts)
+    atol = ATOL[dtype] * max(1.0, float(exact_logits.abs().max()))
+    assert (logits - exact_logits).abs().max().item() <= atol
+
+
 @pytest.mark.parametrize("kind, temperature", [("dflash", 0.0), *[(kind, t) for kind in CHAINED for t in (0.0, 1.0)]])
 @torch.no_grad()
 def test_the_captured_draft_step_reads_nothing_on_the_host(kind, temperature):

@@ -39,13 +39,18 @@ def _engine(target, graphs: bool, **kwargs) -> TargetEngine:
     return engine
 
 
-# 2100: caches long enough to be attended in chunks (ops.cached_attention's split over slots).
-@pytest.mark.parametrize("max_len", [128, 2100], ids=["short-cache", "chunked-cache"])
+# 2100: caches long enough to be attended in chunks (ops.cached_attention's split over slots). pad_to: the prompt
+# prefilled padded (what a captured prefill replays): 64 stays under SHORT_PREFILL (fla's fused recurrent kernel on
+# a GPU), 100 goes past it (the chunk kernel).
+@pytest.mark.parametrize(
+    "max_len, pad_to", [(128, None), (128, 64), (128, 100), (2100, None)], ids=["short", "pad64", "pad100", "chunked"]
+)
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_step_equals_a_full_forward_without_cache(family, config, max_len):
+def test_every_step_equals_a_full_forward_without_cache(family, config, max_len, pad_to):
     """prefill -> decode -> verify/commit with keep 1..bs in turn -> decode: each logit row equals the row of a
-    no-cache forward of the tokens so far (so the caches hold exactly the kept tokens)."""
+    no-cache forward of the tokens so far (so the caches hold exactly the kept tokens, and a padded prefill leaves
+    nothing of its padding where it is seen)."""
     device, dtype, graphs = config
     target = tiny_target(family, seed=1, dtype=dtype).to(device)
     bs = 5
@@ -63,7 +68,8 @@ def test_every_step_equals_a_full_forward_without_cache(family, config, max_len)
             err = (got.double() - rows.to(got.device)).abs().max().item()
             assert err <= atol, f"{what}: max error {err:.3g} > {atol:.3g}"
 
-        check(engine.prefill(ids[:n])[None], n - 1, "prefill")
+        check(engine.prefill(ids[:n], pad_to=pad_to)[None], n - 1, "prefill")
+        assert engine.prefill_padded_width == pad_to and int(engine.length) == n
         for _ in range(3):
             engine.decode_ids.fill_(int(ids[n]))
             engine.decode()
@@ -102,6 +108,29 @@ def test_prefill_features_are_the_hidden_states_of_the_feature_layers(family):
         engine.verify()
         expected = torch.cat([hidden[1][0, 9:], hidden[3][0, 9:]], dim=-1)
         torch.testing.assert_close(engine.features, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_a_padded_prefill_reads_nothing_on_the_host_and_keeps_the_prompts_features(family):
+    """What a GPU captures for a prompt, the padded prefill, reads no device value on the host (`HostReads`), and
+    leaves the prompt's features and final hidden states as the unpadded prefill does."""
+    target = tiny_target(family, seed=3)
+    ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(4))
+    exact = TargetEngine(target, max_len=32, block_size=4, feature_layers=[0, 2])
+    logits = exact.prefill(ids)
+    engine = TargetEngine(target, max_len=32, block_size=4, feature_layers=[0, 2])
+    engine.prefill_keep.fill_(9)
+    engine._prefill_buffers()
+    engine.prefill_ids[:9].copy_(ids)
+    with HostReads() as reads:
+        engine._prefill_step(16).fn()
+    assert reads.found == []
+    torch.testing.assert_close(engine.prefill(ids, pad_to=16), logits, rtol=0, atol=1e-12)
+    torch.testing.assert_close(engine.prompt_features, exact.prompt_features, rtol=0, atol=1e-12)
+    torch.testing.assert_close(engine.prompt_hidden, exact.prompt_hidden, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="pads to 9 .. 36"):
+        engine.prefill(ids, pad_to=8)
 
 
 def test_unsupported_targets_are_named():
