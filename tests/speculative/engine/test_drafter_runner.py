@@ -129,8 +129,9 @@ def test_a_chained_runner_walks_what_the_plain_loop_walks(kind, config):
 @pytest.mark.parametrize("config", CONFIGS)
 @torch.inference_mode()
 def test_a_padded_prefill_drafts_what_the_exact_one_drafts(config):
-    """After the engine's padded prefill (what its graph replays) the runner caches the prompt's context from the
-    padded buffer: its drafts equal those after an unpadded prefill, so no padded row is seen."""
+    """After the engine's padded prefill (what its graph replays; on a GPU captured, runner's included) the runner
+    caches the prompt's context from the padded buffer: its drafts equal those after an unpadded prefill (an
+    engine without graphs), so no padded row is seen."""
     from .. import random_drafter
 
     device, dtype, graphs = config
@@ -138,15 +139,17 @@ def test_a_padded_prefill_drafts_what_the_exact_one_drafts(config):
     drafter = random_drafter(target, block_size=5, seed=6).to(device)
     ids = torch.randint(0, 256, (13,), generator=torch.Generator().manual_seed(8)).to(device)
     drafted = []
-    for pad_to in (None, 64):
+    for padded in (False, True):
         engine = TargetEngine(target, max_len=64, block_size=5, feature_layers=list(drafter.target_layer_ids))
         runner = DrafterRunner(drafter, engine)
-        if graphs:
+        if graphs and padded:
             engine.capture()
             runner.capture()
-        engine.prefill(ids, pad_to=pad_to)
+        engine.prefill(ids, pad_to=64 if padded else None)
         runner.prefill()
-        assert int(runner.context) == 13 and (pad_to is None) == (not runner.prefill_steps)
+        assert int(runner.context) == 13 and padded == bool(runner.prefill_steps)
+        if padded:
+            assert all(step.graph is not None for step in runner.prefill_steps.values()) == graphs
         runner.block_ids[0] = 17
         runner.draft()
         drafted.append((runner.logits.clone(), runner.drafts.clone()))

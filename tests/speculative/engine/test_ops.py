@@ -1,4 +1,5 @@
-"""The engine's attention over a static cache against a float64 softmax attention, short and chunked caches."""
+"""The engine's attention against a float64 softmax attention: over a static cache (short and chunked caches) and a
+prefill's causal attention."""
 
 import pytest
 import torch
@@ -43,3 +44,23 @@ def test_attention_slots_are_chunk_multiples_only_when_chunked():
     assert (
         ops.CHUNKED_FROM + 1 <= ops.attention_slots(ops.CHUNKED_FROM + 1) < ops.CHUNKED_FROM + 1 + ops.ATTENTION_CHUNK
     )
+
+
+def test_prefill_attention_is_causal_and_never_takes_cudnn(monkeypatch):
+    """A prefill's attention (grouped heads) equals a float64 causal softmax attention, and runs with cuDNN's
+    attention switched off: cuDNN builds a plan per sequence length, which every prompt of a new length paid."""
+    seen = []
+    sdpa = ops.F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(ops.F, "scaled_dot_product_attention", recording)
+    g = torch.Generator().manual_seed(11)
+    query = torch.randn(6, 9, 8, generator=g, dtype=torch.float64)
+    keys, values = (torch.randn(2, 9, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    got = ops.causal_attention(query, keys, values, 0.3)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    torch.testing.assert_close(got, _reference(query, keys, values, causal, 0.3), rtol=1e-12, atol=1e-12)
+    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled()
