@@ -21,8 +21,8 @@ The final-normed hidden states (the LM head's input) of the prompt and of the la
 (`prompt_hidden`, `verify_hidden`): the target's MTP layer reads them (`mtp_runner`).
 
 A prompt is prefilled by one CUDA graph once the engine is captured: the prompt padded to the next multiple of
-PREFILL_QUANTUM tokens (one graph per such width, captured on first use or ahead by `capture_prefill`), its
-true length in a device tensor. Past it the padding is inert: the delta rule steps with beta = 0 and decay 1,
+PREFILL_QUANTUM tokens (one graph per such width, captured when a second prompt needs it or ahead by
+`capture_prefill`), its true length in a device tensor. Past it the padding is inert: the delta rule steps with beta = 0 and decay 1,
 the conv window and `length` stop at the prompt, and keys written past it stay masked until overwritten. Eagerly
 a prefill costs a launch per kernel (tens of milliseconds for a small target, whatever its length). Longer prompts
 than PREFILL_GRAPH_MAX run eagerly: their compute outweighs the launches.
@@ -164,6 +164,7 @@ class TargetEngine:
         self.prefill_hidden: torch.Tensor | None = None
         self.prefill_features: torch.Tensor | None = None
         self.prefill_steps: dict[int, Step] = {}  # captured prefills by padded width
+        self._widths_seen: set[int] = set()  # widths prefilled once, eagerly (`_graph_width`)
         self.prefill_capture_error: str | None = None
         self.prefill_padded_width: int | None = None  # the last prefill's, None where it ran unpadded
         self._pool = None
@@ -205,13 +206,14 @@ class TargetEngine:
 
         Features of the prompt tokens are left in `prompt_features` (P, n * D) when feature layers were given,
         their final-normed hidden states in `prompt_hidden` (both valid until the next prefill). pad_to: run the
-        prefill padded to this width (what a captured prefill replays; default: so once the engine is captured).
+        prefill padded to this width (what a captured prefill replays; default: so where a captured engine has
+        a graph of the width, `_graph_width`).
         """
         length = ids.shape[0]
         if not 0 < length <= self.max_len:
             raise ValueError(f"prompt of {length} tokens: the engine holds 1 .. max_len={self.max_len} tokens")
         self.join()
-        width = self.prefill_width(length) if pad_to is None and self.captured else pad_to
+        width = self._graph_width(length) if pad_to is None else pad_to
         most = min(PREFILL_GRAPH_MAX, self.slots)
         if width is not None and not length <= width <= most:
             raise ValueError(f"pad_to={width}: a prompt of {length} tokens pads to {length} .. {most}")
@@ -235,6 +237,16 @@ class TargetEngine:
         """The padded width a captured prefill of `length` tokens runs at, or None (eagerly)."""
         width = -(-length // PREFILL_QUANTUM) * PREFILL_QUANTUM
         return width if width <= min(PREFILL_GRAPH_MAX, self.slots) and self.prefill_capture_error is None else None
+
+    def _graph_width(self, length: int) -> int | None:
+        """The width a prefill of `length` tokens replays a graph at, or None (eagerly). A width is captured the second
+        time a prompt needs it (or ahead, by `capture_prefill`): a capture costs several eager prefills, which a
+        one-off prompt length would not win back."""
+        width = self.prefill_width(length) if self.captured else None
+        if width is None or width in self.prefill_steps or width in self._widths_seen:
+            return width
+        self._widths_seen.add(width)
+        return None
 
     def capture_prefill(self, longest: int) -> None:
         """Capture the prefill graphs of every width up to that of a `longest`-token prompt (ahead of timed runs;

@@ -69,8 +69,7 @@ def test_every_step_equals_a_full_forward_without_cache(family, config, max_len,
             assert err <= atol, f"{what}: max error {err:.3g} > {atol:.3g}"
 
         check(engine.prefill(ids[:n], pad_to=pad_to)[None], n - 1, "prefill")
-        # A captured engine pads every prompt by default (to the next multiple of 64).
-        assert engine.prefill_padded_width == (pad_to or (64 if graphs else None)) and int(engine.length) == n
+        assert engine.prefill_padded_width == pad_to and int(engine.length) == n
         for _ in range(3):
             engine.decode_ids.fill_(int(ids[n]))
             engine.decode()
@@ -132,6 +131,28 @@ def test_a_padded_prefill_reads_nothing_on_the_host_and_keeps_the_prompts_featur
     torch.testing.assert_close(engine.prompt_hidden, exact.prompt_hidden, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="pads to 9 .. 36"):
         engine.prefill(ids, pad_to=8)
+
+
+def test_a_captured_engine_captures_a_prefill_width_the_second_time_it_is_needed(monkeypatch):
+    """A one-off prompt length is prefilled eagerly (a capture costs several prefills); the second prompt of that
+    padded width, and every width `capture_prefill` records ahead, replays a graph. (On the CPU the captures are
+    recorded, not made: the steps run eagerly.)"""
+    from flashdraft.speculative.engine import graphs
+
+    captured = []
+    monkeypatch.setattr(TargetEngine, "captured", property(lambda self: True))
+    monkeypatch.setattr(graphs.Step, "capture", lambda step, pool=None: captured.append(step.name))
+    monkeypatch.setattr(TargetEngine, "prefill_pool", lambda self: None)
+    target = tiny_target("qwen3_5", seed=3)
+    engine = TargetEngine(target, max_len=300, block_size=4)
+    ids = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(5))
+    widths = []
+    for length in (50, 9, 70, 64, 65):
+        engine.prefill(ids[:length])
+        widths.append(engine.prefill_padded_width)
+    assert widths == [None, 64, None, 64, 128] and captured == ["prefill 64", "prefill 128"]
+    engine.capture_prefill(200)
+    assert captured == ["prefill 64", "prefill 128", "prefill 192", "prefill 256"]
 
 
 def test_unsupported_targets_are_named():
