@@ -121,8 +121,9 @@ def linear_attention(
     module, states: LinearStates, i: int, x: torch.Tensor, mode: str, gated_norm, prefill_keep: torch.Tensor | None
 ) -> torch.Tensor:
     """Gated DeltaNet layer `i` (transformers' Qwen3_5GatedDeltaNet arithmetic) over its static states: x (T, D)
-    -> (T, D). mode: "prefill" (from zero states; the prompt's length `prefill_keep`, a device tensor, may be below T: the rest is padding), "decode" (one token,
-    advances the states) or "verify" (reads the states, keeps what `commit_linear` needs)."""
+    -> (T, D). mode: "prefill" (from zero states; the prompt's length `prefill_keep`, a device tensor, may be below
+    T: the rest is padding), "decode" (one token, advances the states) or "verify" (reads the states, keeps what
+    `commit_linear` needs)."""
     j = states.slot[i]
     conv, recurrent = states.conv[j], states.recurrent[j]
     length = x.shape[0]

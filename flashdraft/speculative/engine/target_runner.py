@@ -22,10 +22,10 @@ The final-normed hidden states (the LM head's input) of the prompt and of the la
 
 A prompt is prefilled by one CUDA graph once the engine is captured: the prompt padded to the next multiple of
 PREFILL_QUANTUM tokens (one graph per such width, captured when a second prompt needs it or ahead by
-`capture_prefill`), its true length in a device tensor. Past it the padding is inert: the delta rule steps with beta = 0 and decay 1,
-the conv window and `length` stop at the prompt, and keys written past it stay masked until overwritten. Eagerly
-a prefill costs a launch per kernel (tens of milliseconds for a small target, whatever its length). Longer prompts
-than PREFILL_GRAPH_MAX run eagerly: their compute outweighs the launches.
+`capture_prefill`), its true length in a device tensor. Past it the padding is inert: the delta rule steps with
+beta = 0 and decay 1, the conv window and `length` stop at the prompt, and keys written past it stay masked until
+overwritten. Eagerly a prefill costs a launch per kernel (tens of milliseconds for a small target, whatever its
+length). Prompts longer than PREFILL_GRAPH_MAX run eagerly: their compute outweighs the launches.
 
 On a GPU the commit runs on a side stream: nothing the drafter computes next depends on it, so it overlaps the
 next draft; the next decode, verify or prefill waits for it (`join`).
