@@ -174,10 +174,12 @@ def engine_numbers(target, drafter, ids: torch.Tensor, graphs: bool, iters: int)
         engine.join()
 
     def one_step_rounds():
-        # What greedy generation runs: each round one step (one graph replay) and one read.
+        # What greedy generation runs: each round one step (one graph replay) and one read, the next round
+        # enqueued before this one is read.
+        greedy.start()
         runner.draft()
-        for _ in range(ROUNDS):
-            greedy.emit(BLOCK - 1)
+        for i in range(ROUNDS):
+            greedy.emit(BLOCK - 1, ahead=i + 1 < ROUNDS)
 
     out["round_ms"] = timed_ms(one_step_rounds, iters) / ROUNDS
     out["round_steps_ms"] = timed_ms(rounds, iters) / ROUNDS

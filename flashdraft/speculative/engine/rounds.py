@@ -2,20 +2,25 @@
 small copy to the host); otherwise (sampling, prompt lookup, the target's MTP head) the separate steps.
 
     rnd = GreedyRound(engine, runner)     # captured (on a GPU) before the caches fill, like every step
-    runner.draft()                        # the first block, after the prefill
+    rnd.start(); runner.draft()           # a new generation; the first block, after the prefill
     tokens, confidence = rnd.emit(want)   # verify it, accept, commit, draft the next block: one replay, one read
+    tokens, confidence = rnd.emit(want, ahead=True)  # the next round enqueued before this one is read
     tokens, confidence = verify_round(engine, runner, drafts, draft_probs, sampling, generator)  # separate steps
 
 The step verifies the anchor (`runner.block_ids[0]`) and every draft, accepts the longest prefix of drafts that
 agree with the target's argmax, writes the number to keep on the device, commits it (the hybrid layers' states
 rolled back to it: `commit_linear`), hands the bonus token to the drafter as the next anchor and drafts the next
 block: what the round of separate steps did with three graph replays and the acceptance's kernels launched one by
-one between them. The round's values land in one buffer, read through pinned memory. Every round verifies the
-whole block; near `max_new_tokens`, `emit` keeps the first `want + 1` tokens, which the greedy rule makes the
-target's own.
+one between them. The round's values land in one buffer, copied to the host (pinned memory) behind it. The next
+round needs nothing from the host, so where one surely follows it is enqueued before this one is read (`ahead`):
+the GPU goes on while the host reads, and two rounds' values are in flight, in two host buffers. Every round
+verifies the whole block; near `max_new_tokens`, `emit` keeps the first `want + 1` tokens, which the greedy rule
+makes the target's own.
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 
@@ -39,6 +44,14 @@ class GreedyRound:
         confident = runner.confidence is not None
         self.confidence = torch.zeros(n, device=device) if confident else None
         self.step = Step(self._round, "round")
+        # Two rounds' values (and confidences) on the host, pinned on a GPU, and their copies' events; the slots of
+        # the rounds enqueued and not read yet, oldest first.
+        cuda = device.type == "cuda"
+        self.host = [torch.zeros(n + 2, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.host_confidence = [torch.zeros(n, pin_memory=cuda) for _ in range(2)] if confident else None
+        self.events = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self.in_flight: collections.deque[int] = collections.deque()
+        self._slot = 0
 
     def capture(self) -> None:
         """Record the round as a CUDA graph. Its warm-up runs really verify, commit and draft: call it before the
@@ -56,37 +69,48 @@ class GreedyRound:
         self.runner.context.zero_()
         self.runner.pending.zero_()
 
+    def start(self) -> None:
+        """Forget rounds enqueued and never read: a generation that ends at a stop token leaves one, whose work the
+        next prefill overwrites."""
+        self.in_flight.clear()
+
     @torch.inference_mode()
     def run(self) -> None:
         """Enqueue the round, then the copy of its values to the host (read them with `read`)."""
         engine = self.engine
-        engine._check_room(engine.block_size)
+        if len(self.in_flight) == len(self.host):
+            raise RuntimeError(f"{len(self.in_flight)} rounds in flight: read one before enqueueing another")
+        engine._check_room(engine.block_size * (1 + len(self.in_flight)))  # the host's count lags the rounds in flight
         engine.join()
         self.step()
-        if engine.host_values is not None:  # on a GPU: the engine's and runner's pinned buffers, which fit a round
-            engine.host_values.copy_(self.values, non_blocking=True)
-            if self.confidence is not None:
-                self.runner.host_confidence.copy_(self.confidence, non_blocking=True)
-            engine.read_event.record()
+        slot, cuda = self._slot, self.events is not None
+        self._slot = 1 - slot
+        self.host[slot].copy_(self.values, non_blocking=cuda)
+        if self.confidence is not None:
+            self.host_confidence[slot].copy_(self.confidence, non_blocking=cuda)
+        if cuda:
+            self.events[slot].record()
+        self.in_flight.append(slot)
 
     def read(self) -> tuple[int, int, list[int], list[float] | None]:
-        """(drafts accepted, the bonus token, the drafts verified, the drafter's confidence in each): the round's one
-        host synchronisation. Notes the committed tokens on the engine."""
-        engine = self.engine
-        if engine.host_values is not None:
-            engine.read_event.synchronize()
-            values = engine.host_values.tolist()
-            confidence = None if self.confidence is None else self.runner.host_confidence
-        else:
-            values, confidence = self.values.tolist(), self.confidence
-        accepted = values[0]
-        engine.note_committed(accepted + 1)
-        return accepted, values[1], values[2:], None if confidence is None else confidence.tolist()
+        """(drafts accepted, the bonus token, the drafts verified, the drafter's confidence in each) of the oldest
+        round in flight: its one host synchronisation. Notes the committed tokens on the engine."""
+        slot = self.in_flight.popleft()
+        if self.events is not None:
+            self.events[slot].synchronize()
+        values = self.host[slot].tolist()
+        confidence = None if self.host_confidence is None else self.host_confidence[slot].tolist()
+        self.engine.note_committed(values[0] + 1)
+        return values[0], values[1], values[2:], confidence
 
-    def emit(self, want: int) -> tuple[list[int], list[float] | None]:
-        """Run the round and read it: the tokens it emits (at most `want` drafts and one more) and the drafter's
-        confidence in each of the first `want` drafts."""
-        self.run()
+    def emit(self, want: int, ahead: bool = False) -> tuple[list[int], list[float] | None]:
+        """Run the round (unless it is in flight already) and read it: the tokens it emits (at most `want` drafts
+        and one more) and the drafter's confidence in each of the first `want` drafts. ahead: first enqueue the
+        next round too, for a caller that will surely emit again (past a stop token its work is wasted)."""
+        if not self.in_flight:
+            self.run()
+        if ahead:
+            self.run()
         accepted, bonus, verified, confidence = self.read()
         # Past `want` the accepted drafts are the target's argmax too: the first want + 1 tokens are its own.
         new = verified[: want + 1] if accepted > want else verified[:accepted] + [bonus]

@@ -298,8 +298,12 @@ def engine_decode(
         confidence = []
         if want > 0 and greedy is not None:
             if not drafted:
+                greedy.start()
                 runner.draft()
-            new, confidence = greedy.emit(want)
+            # The next round enqueued before this one is read where one surely follows (this one emits at most
+            # num_drafts + 1 tokens, and the next wants at least one draft), unless a stop token ends it.
+            ahead = len(result.tokens) + num_drafts + 2 < max_new_tokens
+            new, confidence = greedy.emit(want, ahead)
             drafted, offered = True, want
         else:
             drafts = draft_probs = None

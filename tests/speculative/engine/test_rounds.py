@@ -71,18 +71,21 @@ def test_the_round_reads_nothing_on_the_host(kind):
     assert reads.found == []
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["one-by-one", "ahead"])
 @pytest.mark.parametrize("refine", [(), (1, 3)])
 @pytest.mark.parametrize("kind", KINDS)
-def test_one_round_is_what_the_separate_steps_did(kind, refine):
+def test_one_round_is_what_the_separate_steps_did(kind, refine, ahead):
     """Two engines in the same state: one runs the round, the other verifies, accepts and commits with its own
-    steps and drafts the next block. Same accepted count and bonus, same caches and lengths, same next block."""
+    steps and drafts the next block. Same accepted count and bonus, same caches and lengths, same next block.
+    ahead: each round enqueued before the one before it is read (two in flight), as generation runs them; the
+    values read are each round's own, and the state after the last read is the same."""
     if refine and kind != "dflash":
         pytest.skip("drafting in passes is DFlash's")
     engine, runner, rnd = _round(kind, refine, scripted=True)
     twin_engine, twin_runner, _ = _round(kind, refine, scripted=True)
     assert torch.equal(runner.drafts, twin_runner.drafts)
     seen = set()
-    for _ in range(6):  # rounds in a row: each starts where the last one's commit and draft left it
+    for i in range(6):  # rounds in a row: each starts where the last one's commit and draft left it
         drafts = twin_runner.drafts.clone()
         twin_engine.verify_ids[:1].copy_(twin_runner.block_ids[:1])
         twin_engine.verify_ids[1:].copy_(drafts)
@@ -96,10 +99,15 @@ def test_one_round_is_what_the_separate_steps_did(kind, refine):
         twin_runner.block_ids[0] = choice[accepted]
         twin_runner.draft()
 
-        rnd.run()
+        if not ahead or not rnd.in_flight:
+            rnd.run()
+        if ahead and i < 5:
+            rnd.run()
         got, bonus, verified, _ = rnd.read()
         assert (got, bonus, verified) == (accepted, int(choice[accepted]), drafts.tolist())
         seen.add(accepted)
+        if ahead and i < 5:
+            continue  # the engine is a round further on
         assert engine.num_tokens == twin_engine.num_tokens and int(engine.length) == int(twin_engine.length)
         assert torch.equal(runner.drafts, twin_runner.drafts) and torch.equal(runner.block_ids, twin_runner.block_ids)
         if engine.linear is not None:
