@@ -203,8 +203,8 @@ def evaluate(
         sets.append((length, [context_filler.padded(p, length) for p in prompts]))
     if engine:
         # Caches sized for the longest prompt and graphs captured once, outside the timed runs.
-        longest = max(p.input_ids.shape[-1] for _, group in sets for p in group)
-        prepare(target, longest + max_new_tokens, block_size, drafter, prompt_tokens=longest)
+        lengths = tuple(p.input_ids.shape[-1] for _, group in sets for p in group)
+        prepare(target, max(lengths) + max_new_tokens, block_size, drafter, prompt_lengths=lengths)
     # Warm-up (allocator, lazy imports, autotuned kernels) so that the first timed prompt is not penalised. A few
     # blocks' worth of tokens also reaches some of the wider verifications that deferred tokens make.
     for method in methods:

@@ -31,7 +31,7 @@ from flashdraft.drafter.attention import _rotate
 from flashdraft.drafter.conv import around
 from flashdraft.speculative.engine import ops
 from flashdraft.speculative.engine.graphs import Step, capture_all, capture_or_warn
-from flashdraft.speculative.engine.target_runner import PREFILL_QUANTUM, TargetEngine
+from flashdraft.speculative.engine.target_runner import TargetEngine
 from flashdraft.speculative.sampling import gumbel_noise, gumbel_pick, validate_sampling
 
 
@@ -124,10 +124,9 @@ class DrafterRunner:
         else:
             self._prefill_step(width)()
 
-    def capture_prefill(self, longest: int) -> None:
-        """Capture the prefill step of every padded width the engine's prefills up to `longest` tokens use."""
-        last = self.engine.prefill_width(min(longest, self.engine.max_len)) or 0
-        for width in range(PREFILL_QUANTUM, last + 1, PREFILL_QUANTUM):
+    def capture_prefill(self, lengths) -> None:
+        """Capture the prefill steps that the engine's prefills of prompts of these `lengths` will need."""
+        for width in self.engine.prefill_widths(lengths):
             self._prefill_step(width)
 
     def _prefill_step(self, width: int) -> Step:

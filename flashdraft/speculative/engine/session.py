@@ -181,18 +181,18 @@ def prepare(
     block_size: int,
     drafter: torch.nn.Module | None = None,
     graphs=None,
-    prompt_tokens: int = 0,
+    prompt_lengths: tuple[int, ...] = (),
 ) -> Session:
     """Build (and capture) the session that decoding up to `max_len` tokens will use, ahead of timed runs, with
-    the prefill graphs of prompts up to `prompt_tokens` tokens."""
+    the prefill graphs of prompts of `prompt_lengths` tokens."""
     graphs = next(target.parameters()).device.type == "cuda" if graphs is None else graphs
     layers = list(drafter.target_layer_ids) if drafter is not None else None
     sess = session(target, max_len, verify_width(block_size, drafter), layers, graphs)
     runner = sess.runner(drafter) if drafter is not None else None
-    if prompt_tokens and sess.engine.captured:
-        sess.engine.capture_prefill(prompt_tokens)
+    if sess.engine.captured:
+        sess.engine.capture_prefill(prompt_lengths)
         if runner is not None:
-            runner.capture_prefill(prompt_tokens)
+            runner.capture_prefill(prompt_lengths)
     return sess
 
 

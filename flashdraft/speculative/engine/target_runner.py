@@ -248,14 +248,18 @@ class TargetEngine:
         self._widths_seen.add(width)
         return None
 
-    def capture_prefill(self, longest: int) -> None:
-        """Capture the prefill graphs of every width up to that of a `longest`-token prompt (ahead of timed runs;
-        the caches are overwritten). Needs a captured engine."""
+    def capture_prefill(self, lengths) -> None:
+        """Capture the prefill graphs that prompts of these `lengths` will replay (ahead of timed runs; the caches
+        are overwritten). Needs a captured engine."""
         if not self.captured:
             raise RuntimeError("capture the engine first (capture_prefill records prefills for its graphs)")
-        last = self.prefill_width(min(longest, self.max_len))
-        for width in range(PREFILL_QUANTUM, (last or 0) + 1, PREFILL_QUANTUM):
+        for width in self.prefill_widths(lengths):
             self._prefill_step(width)
+
+    def prefill_widths(self, lengths) -> list[int]:
+        """The padded widths of prompts of these `lengths` (those prefilled by a graph), in order."""
+        widths = {self.prefill_width(length) for length in lengths if 0 < length <= self.max_len}
+        return sorted(w for w in widths if w is not None)
 
     def _prefill_buffers(self) -> None:
         if self.prefill_ids is not None:

@@ -151,7 +151,7 @@ def test_a_captured_engine_captures_a_prefill_width_the_second_time_it_is_needed
         engine.prefill(ids[:length])
         widths.append(engine.prefill_padded_width)
     assert widths == [None, 64, None, 64, 128] and captured == ["prefill 64", "prefill 128"]
-    engine.capture_prefill(200)
+    engine.capture_prefill([200, 130, 3000, 210])  # 3000: more than the engine holds
     assert captured == ["prefill 64", "prefill 128", "prefill 192", "prefill 256"]
 
 
