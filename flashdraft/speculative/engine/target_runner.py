@@ -167,6 +167,7 @@ class TargetEngine:
         self._widths_seen: set[int] = set()  # widths prefilled once, eagerly (`_graph_width`)
         self.prefill_capture_error: str | None = None
         self.prefill_padded_width: int | None = None  # the last prefill's, None where it ran unpadded
+        self.prefill_most = min(PREFILL_GRAPH_MAX, self.slots)  # the widest padded prefill
         self._pool = None
         self.num_tokens = 0  # host mirror of `length`
         cuda = dev.type == "cuda"
@@ -214,9 +215,8 @@ class TargetEngine:
             raise ValueError(f"prompt of {length} tokens: the engine holds 1 .. max_len={self.max_len} tokens")
         self.join()
         width = self._graph_width(length) if pad_to is None else pad_to
-        most = min(PREFILL_GRAPH_MAX, self.slots)
-        if width is not None and not length <= width <= most:
-            raise ValueError(f"pad_to={width}: a prompt of {length} tokens pads to {length} .. {most}")
+        if width is not None and not length <= width <= self.prefill_most:
+            raise ValueError(f"pad_to={width}: a prompt of {length} tokens pads to {length} .. {self.prefill_most}")
         self.prefill_keep.fill_(length)
         self.prefill_padded_width = width
         if width is None:
@@ -236,7 +236,7 @@ class TargetEngine:
     def prefill_width(self, length: int) -> int | None:
         """The padded width a captured prefill of `length` tokens runs at, or None (eagerly)."""
         width = -(-length // PREFILL_QUANTUM) * PREFILL_QUANTUM
-        return width if width <= min(PREFILL_GRAPH_MAX, self.slots) and self.prefill_capture_error is None else None
+        return width if width <= self.prefill_most and self.prefill_capture_error is None else None
 
     def _graph_width(self, length: int) -> int | None:
         """The width a prefill of `length` tokens replays a graph at, or None (eagerly). A width is captured the second
@@ -264,7 +264,7 @@ class TargetEngine:
     def _prefill_buffers(self) -> None:
         if self.prefill_ids is not None:
             return
-        rows, dev, dt = min(PREFILL_GRAPH_MAX, self.slots), self.device, self.dtype
+        rows, dev, dt = self.prefill_most, self.device, self.dtype
         self.prefill_ids = torch.zeros(rows, dtype=torch.long, device=dev)
         self.prefill_hidden = torch.zeros(rows, self.inner.config.hidden_size, dtype=dt, device=dev)
         self.prefill_features = torch.zeros(rows, self.features.shape[1], dtype=dt, device=dev)
@@ -276,7 +276,7 @@ class TargetEngine:
         step = self.prefill_steps.get(width)
         if step is None:
             step = self.prefill_steps[width] = Step(lambda: self._padded_prefill(width), f"prefill {width}")
-            if self.captured:
+            if self.captured and self.prefill_capture_error is None:  # one failed capture is enough
                 self.prefill_capture_error = capture_or_warn(step, self.prefill_pool())
         return step
 
