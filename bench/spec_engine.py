@@ -149,7 +149,7 @@ def engine_numbers(target, drafter, ids: torch.Tensor, graphs: bool, iters: int)
         target, ids.shape[1] + 2 * (ROUNDS + 4) * (iters + 2) + 4 * BLOCK, BLOCK, list(drafter.target_layer_ids), graphs
     )
     engine, runner = sess.engine, sess.runner(drafter)
-    greedy = sess.greedy_round(runner)  # captured before the prefill, as generation captures it
+    greedy = sess.one_step_round(runner)  # captured before the prefill, as generation captures it
     logits = engine.prefill(ids[0])
     runner.prefill(engine.prompt_features)
     runner.block_ids[0] = int(logits.argmax())

@@ -95,6 +95,12 @@ def gumbel_noise(shape, generator: torch.Generator | None, device) -> torch.Tens
     return -torch.log(-torch.log(uniform))
 
 
+def gumbel_draw(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """A draw from each row of `probs` (`[..., V]` -> `[...]`) made with pre-drawn Gumbel `noise` of the same shape
+    (`gumbel_noise`): a token of probability 0 is never drawn."""
+    return (probs.log() + noise).argmax(dim=-1)
+
+
 def gumbel_pick(logits: torch.Tensor, sampling: tuple[float, float, int], noise: torch.Tensor | None):
     """One token from `logits` (V,): the argmax when `noise` is None (greedy), else a draw from
     `sampling_probs(logits, *sampling)` made with the pre-drawn `noise` (V,). Returns (token (1,), q or None).
@@ -102,7 +108,7 @@ def gumbel_pick(logits: torch.Tensor, sampling: tuple[float, float, int], noise:
     if noise is None:
         return logits.argmax(dim=-1, keepdim=True), None
     probs = sampling_probs(logits, *sampling)
-    return (probs.log() + noise).argmax(dim=-1, keepdim=True), probs
+    return gumbel_draw(probs, noise).unsqueeze(-1), probs
 
 
 VERIFY_METHODS = ("block", "token")
@@ -147,18 +153,33 @@ def rejection_sample_tensors(
     u = torch.rand(n, generator=generator, device=target_probs.device, dtype=target_probs.dtype)
     if n == 0:
         return torch.zeros((), dtype=torch.int64, device=u.device), sample(target_probs[0], generator)
+    accepted, correction = verify_drafts(draft_tokens, draft_probs, target_probs, u, verify)
+    return accepted, sample(correction, generator)
+
+
+def verify_drafts(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+    verify: str = "block",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance of `rejection_sample_tensors` with its `uniforms` `[n]` (n >= 1) drawn before: (accepted
+    drafts as a 0-d long tensor, the distribution `[V]` of the token after them). Device operations only: a captured
+    round runs it (the correction then drawn with pre-drawn noise: `gumbel_draw`)."""
+    n = draft_tokens.shape[0]
     draft_rows = _draft_rows(draft_tokens, draft_probs, target_probs)
     if verify == "token":
         rows = torch.arange(n, device=draft_tokens.device)
         p, q = target_probs[rows, draft_tokens], draft_rows[rows, draft_tokens]
         # u < p/q, written without the division (q > 0 for every drawn token).
-        accepted = (u * q < p).to(torch.int64).cumprod(0).sum()
-        weights = torch.ones(n + 1, dtype=target_probs.dtype, device=u.device)
+        accepted = (uniforms * q < p).to(torch.int64).cumprod(0).sum()
+        weights = torch.ones(n + 1, dtype=target_probs.dtype, device=uniforms.device)
     else:
         stop, weights = block_acceptance(draft_tokens, draft_rows, target_probs)
-        counts = torch.arange(1, n + 1, device=u.device)
-        accepted = torch.where(u < stop, counts, torch.zeros_like(counts)).max()
-    return accepted, sample(correction_distribution(accepted, weights, draft_rows, target_probs), generator)
+        counts = torch.arange(1, n + 1, device=uniforms.device)
+        accepted = torch.where(uniforms < stop, counts, torch.zeros_like(counts)).max()
+    return accepted, correction_distribution(accepted, weights, draft_rows, target_probs)
 
 
 def _draft_rows(draft_tokens, draft_probs, target_probs) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from flashdraft.speculative import generate
 from flashdraft.speculative.engine import session
-from flashdraft.speculative.engine.rounds import GreedyRound
+from flashdraft.speculative.engine.rounds import OneStepRound
 from flashdraft.speculative.prompt_stats import Calibration
 from flashdraft.speculative.result import GenerationResult
 
@@ -217,14 +217,14 @@ def test_engine_records_the_heads_confidence_of_the_drafts_it_verifies(config, m
     drafter = random_drafter(target, block_size=4, seed=14, family="dspark").to(device)
     with torch.no_grad():
         drafter.confidence_head.proj.weight.mul_(20)  # predictions spread over (0, 1), not all ~0.5
-    verified, read = [], GreedyRound.read
+    verified, read = [], OneStepRound.read
 
     def spy(greedy):
         values = read(greedy)
         verified.append((values[2], values[3]))  # the drafts this round verified, the head's confidence in each
         return values
 
-    monkeypatch.setattr(GreedyRound, "read", spy)
+    monkeypatch.setattr(OneStepRound, "read", spy)
     prompt = torch.randint(0, 255, (1, 11), generator=torch.Generator().manual_seed(2)).to(device)
     with ready(target):
         result = session.engine_decode(target, prompt, 24, drafter=drafter, block_size=4, graphs=graphs)

@@ -14,11 +14,11 @@ buffer (one per verified token) at slots `context ..`, of which only `pending` a
 into the slots right after the valid context, where its positions are — rows past the context are masked and
 overwritten later.
 
-A drafter with a Markov head (DSpark) or a selector (DFlash2) picks its drafts left to right inside the same step
-(`DFlashDraftModel.walk`):
-greedily, or, when sampling, each drawn from q given the drafts before it with Gumbel noise drawn before the step
-(`sampling.gumbel_pick`), its q kept in `probs` for verification. Its anchor slot drafts too: a block of bs then
-gives bs drafts, and the engine verifies bs + 1 tokens. A drafter with a confidence head also fills `confidence`
+The step picks the drafts: greedily, or, when sampling (a runner bakes its sampling settings into its step), each
+drawn from its q with Gumbel noise drawn before the step (`draw_noise`, `sampling.gumbel_draw`), q kept in `probs`
+for verification. A drafter with a Markov head (DSpark) or a selector (DFlash2) picks them left to right
+(`DFlashDraftModel.walk`), each given the drafts before it. Its anchor slot drafts too: a block of bs then gives bs
+drafts, and the engine verifies bs + 1 tokens. A drafter with a confidence head also fills `confidence`
 in the step: c_k = sigmoid(`confidence_logits`) of each draft given the token before it (the plain loop's
 `DFlashProposer.confidence`), only reported, read by the host with the round's tokens.
 """
@@ -32,7 +32,7 @@ from flashdraft.drafter.conv import around
 from flashdraft.speculative.engine import ops
 from flashdraft.speculative.engine.graphs import Step, capture_all, capture_or_warn
 from flashdraft.speculative.engine.target_runner import TargetEngine
-from flashdraft.speculative.sampling import gumbel_noise, gumbel_pick, validate_sampling
+from flashdraft.speculative.sampling import gumbel_draw, gumbel_noise, gumbel_pick, sampling_probs, validate_sampling
 
 
 class DrafterRunner:
@@ -85,19 +85,17 @@ class DrafterRunner:
         self.block_ids = torch.full((bs,), int(drafter.mask_token_id), dtype=torch.long, device=self.device)
         self.logits = torch.zeros(self.num_drafts, vocab, dtype=self.dtype, device=self.device)
         self.drafts = torch.zeros(self.num_drafts, dtype=torch.long, device=self.device)
-        # Drafts chained through a Markov head or a selector, sampled inside the step: their q, and the noise of their draws.
+        # When sampling, the drafts are drawn inside the step (a chained head's each given the one before it): their
+        # q, and the Gumbel noise of their draws, drawn before the step.
         self.chained = getattr(drafter, "chains", False)
         self.sampling, self.generator = sampling, generator
-        sampled = self.chained and sampling[0] > 0
+        sampled = sampling[0] > 0
         probs_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         self.probs = torch.zeros(self.num_drafts, vocab, dtype=probs_dtype, device=self.device) if sampled else None
         self.noise = torch.zeros(self.num_drafts, vocab, device=self.device) if sampled else None
-        # A confidence head's predicted acceptance of each draft (float32, as the head computes it); on a GPU a
-        # pinned copy, which the host reads beside the round's tokens.
+        # A confidence head's predicted acceptance of each draft (float32, as the head computes it).
         confident = getattr(drafter, "confidence_head", None) is not None
         self.confidence = torch.zeros(self.num_drafts, device=self.device) if confident else None
-        cuda = confident and self.device.type == "cuda"
-        self.host_confidence = torch.zeros(self.num_drafts, pin_memory=True) if cuda else None
         self.mask_token_id = int(drafter.mask_token_id)
         self.refine: tuple[int, ...] = ()
         self.step = Step(self._draft, "draft")
@@ -150,16 +148,26 @@ class DrafterRunner:
 
     @torch.inference_mode()
     def draft(self) -> None:
-        """Add the pending features, then draft after `block_ids[0]`: `logits`, `drafts` (greedy).
+        """Add the pending features, then draft after `block_ids[0]`: `logits`, `drafts` (and `probs` when sampling).
 
         With `refine` the drafts are greedy and made in passes: after each, the first `refine[i]` drafts go into the
         block in place of their MASKs and the step runs again (nothing is pending then, so it redrafts the block
         over the cached context). Only device operations: it can be enqueued before the host reads anything. Then
         `logits` holds the last pass's, which are not the kept drafts' own; `confidence` those of the passes that
         fixed each draft, as the plain loop computes them."""
+        self.draw_noise()
+        self.passes(self.step)
+
+    def draw_noise(self) -> None:
+        """The noise of the next step's draws, when sampling (a round that drafts inside its own step calls it)."""
         if self.noise is not None:
             self.noise.copy_(gumbel_noise(self.noise.shape, self.generator, self.device))
-        self.passes(self.step)
+
+    def note_verified(self, accepted: torch.Tensor, bonus: torch.Tensor) -> None:
+        """After a verification that accepted `accepted` drafts and emitted `bonus` (0-d device tensors): the
+        features of the anchor and the accepted drafts are pending, and `bonus` is the next block's anchor."""
+        self.pending.copy_(accepted + 1)
+        self.block_ids[:1].copy_(bonus.view(1))
 
     def passes(self, step) -> None:
         """The block drafted by `step` (the captured step, or its body inside a larger graph: `rounds.py`) in the
@@ -217,7 +225,7 @@ class DrafterRunner:
             drafts, logits = drafter.walk(slots, self.engine.lm_head, self.block_ids[0], self._pick)
         else:
             logits = drafter.compute_logits(slots, self.engine.lm_head)
-            drafts = logits.argmax(dim=-1)
+            drafts = self._pick_all(logits)
         self.logits.copy_(logits)
         self.drafts.copy_(drafts)
         if self.confidence is not None:
@@ -227,6 +235,14 @@ class DrafterRunner:
             self.confidence.copy_(torch.sigmoid(drafter.confidence_logits(slots, prev)))
         self.context.copy_(anchor)
         self.pending.zero_()
+
+    def _pick_all(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every draft of a block drafted in one go: the argmax of each row, or each drawn from its own q."""
+        if self.noise is None:
+            return logits.argmax(dim=-1)
+        probs = sampling_probs(logits, *self.sampling)
+        self.probs.copy_(probs)
+        return gumbel_draw(probs, self.noise)
 
     def _pick(self, k: int, logits: torch.Tensor) -> torch.Tensor:
         token, probs = gumbel_pick(logits, self.sampling, None if self.noise is None else self.noise[k])

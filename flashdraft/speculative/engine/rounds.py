@@ -1,21 +1,25 @@
-"""A speculative round on the engine: greedy with a drafter, one step (one CUDA graph replay on a GPU, then one
-small copy to the host); otherwise (sampling, prompt lookup, the target's MTP head) the separate steps.
+"""A speculative round on the engine: with a drafter, one step (one CUDA graph replay on a GPU, then one small copy
+to the host); otherwise (prompt lookup, the target's MTP head) the separate steps.
 
-    rnd = GreedyRound(engine, runner)     # captured (on a GPU) before the caches fill, like every step
+    rnd = OneStepRound(engine, runner)    # captured (on a GPU) before the caches fill, like every step
     rnd.start(); runner.draft()           # a new generation; the first block, after the prefill
     tokens, confidence = rnd.emit(want)   # verify it, accept, commit, draft the next block: one replay, one read
     tokens, confidence = rnd.emit(want, ahead=True)  # the next round enqueued before this one is read
-    tokens, confidence = verify_round(engine, runner, drafts, draft_probs, sampling, generator)  # separate steps
+    tokens = verify_round(engine, mtp_runner, drafts, draft_probs, sampling, generator)  # separate steps
 
-The step verifies the anchor (`runner.block_ids[0]`) and every draft, accepts the longest prefix of drafts that
-agree with the target's argmax, writes the number to keep on the device, commits it (the hybrid layers' states
-rolled back to it: `commit_linear`), hands the bonus token to the drafter as the next anchor and drafts the next
-block: what the round of separate steps did with three graph replays and the acceptance's kernels launched one by
-one between them. The round's values land in one buffer, copied to the host (pinned memory) behind it. The next
-round needs nothing from the host, so where one surely follows it is enqueued before this one is read (`ahead`):
-the GPU goes on while the host reads, and two rounds' values are in flight, in two host buffers. Every round
-verifies the whole block; near `max_new_tokens`, `emit` keeps the first `want + 1` tokens, which the greedy rule
-makes the target's own.
+The step verifies the anchor (`runner.block_ids[0]`) and every draft, accepts a prefix of the drafts, writes the
+number to keep on the device, commits it (the hybrid layers' states rolled back to it: `commit_linear`), hands the
+token after the accepted drafts to the drafter as the next anchor and drafts the next block. Greedy, the drafts that
+agree with the target's argmax are accepted and the argmax follows them. Sampling (the runner's settings), the drafts
+were drawn inside the draft step with their q kept (`DrafterRunner.probs`); the round verifies them by rejection
+sampling (`sampling.verify_drafts`, block or token by token) with uniforms drawn before the step, draws the
+correction (or bonus) token with Gumbel noise drawn before it, and the next block's draws use the runner's noise,
+also drawn before it: the step itself holds no random state. The round's values land in one buffer, copied to the
+host (pinned memory) behind it. The next round needs nothing from the host, so where one surely follows it is
+enqueued before this one is read (`ahead`): the GPU goes on while the host reads, and two rounds' values are in
+flight, in two host buffers. Every round verifies the whole block; near `max_new_tokens`, `emit` keeps the first
+`want + 1` tokens: the target's own prefix of what the round emitted (greedy: the argmax; sampling: the stream of
+tokens the rounds emit is the target's, so any prefix of it is).
 """
 
 from __future__ import annotations
@@ -26,19 +30,29 @@ import torch
 
 from flashdraft.speculative.engine.drafter_runner import DrafterRunner
 from flashdraft.speculative.engine.graphs import Step, capture_all
-from flashdraft.speculative.engine.mtp_runner import MTPRunner
 from flashdraft.speculative.engine.target_runner import TargetEngine
-from flashdraft.speculative.sampling import rejection_sample_tensors, sampling_probs
+from flashdraft.speculative.sampling import (
+    gumbel_draw,
+    gumbel_noise,
+    rejection_sample_tensors,
+    sampling_probs,
+    validate_verify,
+    verify_drafts,
+)
 
 
-class GreedyRound:
-    """Verification, acceptance, commit and the next draft of a greedy round, as one step (module docstring)."""
+class OneStepRound:
+    """Verification, acceptance, commit and the next draft of a drafter's round, as one step (module docstring);
+    sampled as the runner samples, its drafts verified by `verify` (block or token)."""
 
-    def __init__(self, engine: TargetEngine, runner: DrafterRunner):
-        if runner.probs is not None:
-            raise ValueError("a greedy round needs a runner that drafts greedily (temperature 0)")
-        self.engine, self.runner = engine, runner
+    def __init__(self, engine: TargetEngine, runner: DrafterRunner, verify: str = "block"):
+        self.engine, self.runner, self.verify = engine, runner, validate_verify(verify)
         n, device = runner.num_drafts, engine.device
+        # Sampling: the uniforms of the acceptance test and the Gumbel noise of the token after the accepted drafts,
+        # drawn before each round (`run`).
+        self.sampling = runner.sampling if runner.probs is not None else None
+        self.uniforms = torch.zeros(n, dtype=runner.probs.dtype, device=device) if self.sampling else None
+        self.noise = torch.zeros(engine.lm_head.out_features, device=device) if self.sampling else None
         # accepted, bonus, then the drafts the round verified.
         self.values = torch.zeros(n + 2, dtype=torch.long, device=device)
         confident = runner.confidence is not None
@@ -82,6 +96,11 @@ class GreedyRound:
             raise RuntimeError(f"{len(self.in_flight)} rounds in flight: read one before enqueueing another")
         engine._check_room(engine.block_size * (1 + len(self.in_flight)))  # the host's count lags the rounds in flight
         engine.join()
+        if self.sampling is not None:  # enqueued after the round before it, which read the last draws
+            generator = self.runner.generator
+            self.uniforms.uniform_(generator=generator)
+            self.noise.copy_(gumbel_noise(self.noise.shape, generator, self.noise.device))
+            self.runner.draw_noise()
         self.step()
         slot, cuda = self._slot, self.events is not None
         self._slot = 1 - slot
@@ -112,7 +131,7 @@ class GreedyRound:
         if ahead:
             self.run()
         accepted, bonus, verified, confidence = self.read()
-        # Past `want` the accepted drafts are the target's argmax too: the first want + 1 tokens are its own.
+        # Past `want` drafts the round's tokens are cut: a prefix of what the rounds emit is the target's own.
         new = verified[: want + 1] if accepted > want else verified[:accepted] + [bonus]
         return new, None if confidence is None else confidence[:want]
 
@@ -122,7 +141,12 @@ class GreedyRound:
         engine.verify_ids[:1].copy_(runner.block_ids[:1])
         engine.verify_ids[1:].copy_(drafts)
         engine._verify()
-        accepted, bonus = greedy_acceptance(drafts, engine.verify_logits)
+        if self.sampling is None:
+            accepted, bonus = greedy_acceptance(drafts, engine.verify_logits)
+        else:
+            target_probs = sampling_probs(engine.verify_logits, *self.sampling)
+            accepted, after = verify_drafts(drafts, runner.probs, target_probs, self.uniforms, self.verify)
+            bonus = gumbel_draw(after, self.noise)
         engine.keep.copy_(accepted + 1)
         engine._commit()
         self.values[:1].copy_(accepted.view(1))
@@ -130,8 +154,7 @@ class GreedyRound:
         self.values[2:].copy_(drafts)
         if self.confidence is not None:
             self.confidence.copy_(runner.confidence)  # the next draft overwrites the runner's
-        runner.pending.copy_(engine.keep)
-        runner.block_ids[:1].copy_(bonus.view(1))
+        runner.note_verified(accepted, bonus)
         runner.passes(runner._draft)
 
 
@@ -145,9 +168,11 @@ def greedy_acceptance(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch
 
 def verify_round(
     engine, runner, drafts, draft_probs, sampling, generator, draft_ahead: bool = False, verify: str = "block"
-) -> tuple[list[int], list[float] | None]:
-    """Verify `drafts` (after the anchor already in verify_ids[0]), commit the accepted prefix; the emitted tokens,
-    and the drafter's predicted acceptance of each draft (`DrafterRunner.confidence`; None without one).
+) -> list[int]:
+    """A round of separate steps, for prompt lookup (`runner` None) and the target's MTP head (an `MTPRunner`; a
+    `DrafterRunner` too, which generation runs as one step): verify `drafts` (after the anchor already in
+    verify_ids[0]), accept (argmax agreement, or rejection sampling against `draft_probs`, None for a deterministic
+    proposer), commit the accepted prefix and tell the runner (`note_verified`); the emitted tokens.
 
     draft_ahead: also enqueue the runner's next draft (it needs only device values) before the host reads the
     result, so that the GPU drafts while the host reads and enqueues the next verification.
@@ -163,31 +188,17 @@ def verify_round(
         accepted, bonus = rejection_sample_tensors(drafts, draft_probs, target_probs, generator, verify)
     engine.keep.copy_(accepted + 1)
     engine.commit()
-    if isinstance(runner, MTPRunner):
+    if runner is not None:
         runner.note_verified(accepted, bonus)
-    elif runner is not None:
-        runner.pending.copy_(engine.keep)
-        runner.block_ids[:1].copy_(bonus.view(1))
     # The one host synchronisation of the round.
     values = torch.cat([accepted.view(1), bonus.view(1), drafts])
-    confidence = getattr(runner, "confidence", None)
-    confidence = None if confidence is None else confidence[:want]
-    host = None
-    if draft_ahead:
-        if engine.host_values is not None:  # on a GPU: read through pinned memory while the draft runs
-            host = engine.host_values[: values.shape[0]]
-            host.copy_(values, non_blocking=True)
-            if confidence is not None:
-                confidence = runner.host_confidence[:want].copy_(confidence, non_blocking=True)
-            engine.read_event.record()
-        elif confidence is not None:
-            confidence = confidence.clone()  # the next draft overwrites the runner's buffer
+    if draft_ahead and engine.host_values is not None:  # on a GPU: read through pinned memory while the draft runs
+        values = engine.host_values[: values.shape[0]].copy_(values, non_blocking=True)
+        engine.read_event.record()
         runner.draft()
-    if host is not None:
         engine.read_event.synchronize()
-        values = host.tolist()
-    else:
-        values = values.tolist()
-    count = values[0]
+    elif draft_ahead:
+        runner.draft()
+    count, bonus, *verified = values.tolist()
     engine.note_committed(count + 1)
-    return values[2 : 2 + count] + [values[1]], None if confidence is None else confidence.tolist()
+    return verified[:count] + [bonus]

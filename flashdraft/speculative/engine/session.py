@@ -10,8 +10,8 @@ of the plain loop.
 One round: the drafter's step (pending context features, then the block) -> the target's verification of the
 block -> acceptance on the device (argmax agreement, or rejection sampling) -> commit of the accepted prefix
 and the next anchor, all enqueued without waiting; then one read of the accepted length and tokens, the only
-host synchronisation of the round (a clock read there times the round: `GenerationResult.round_times`). A greedy
-round with a drafter is all of that as one step, one CUDA graph on a GPU (`rounds.py`). Every
+host synchronisation of the round (a clock read there times the round: `GenerationResult.round_times`). A round
+with a drafter, greedy or sampled, is all of that as one step, one CUDA graph on a GPU (`rounds.py`). Every
 round verifies a full block (static shapes); near `max_new_tokens` only the first `want` drafts count, which can
 cut acceptance only in the round that ends the generation.
 
@@ -30,13 +30,11 @@ from flashdraft import fastpath
 from flashdraft.speculative.engine import rounds
 from flashdraft.speculative.engine.drafter_runner import DrafterRunner
 from flashdraft.speculative.engine.mtp_runner import MTPRunner
-from flashdraft.speculative.engine.rounds import GreedyRound
+from flashdraft.speculative.engine.rounds import OneStepRound
 from flashdraft.speculative.engine.target_runner import TargetEngine, unsupported_reason
 from flashdraft.speculative.result import GenerationResult
 from flashdraft.speculative.sampling import (
     next_token,
-    sample,
-    sampling_probs,
     validate_request,
     validate_verify,
 )
@@ -52,7 +50,7 @@ class Session:
         self.engine, self.graphs = engine, graphs
         self.runners: dict[tuple, DrafterRunner] = {}
         self.mtp_runners: dict[tuple, MTPRunner] = {}
-        self.rounds: dict[tuple, GreedyRound] = {}
+        self.rounds: dict[tuple, OneStepRound] = {}
         # Why a capture failed (the steps then run eagerly: slower, same results); None if none did.
         self.capture_error: str | None = None
         if graphs:
@@ -90,25 +88,25 @@ class Session:
         return self.engine.captured and all(r.step.graph is not None for r in self._all_runners())
 
     def runner(self, drafter: torch.nn.Module, sampling=(0.0, 1.0, 0), generator=None) -> DrafterRunner:
-        """The runner of `drafter`; one that chains its drafts (a Markov head, a selector) draws them inside its graph, which
-        then bakes in the sampling settings."""
-        chained = getattr(drafter, "chains", False)
-        key = (id(drafter), tuple(sampling) if chained else None)
+        """The runner of `drafter` with these sampling settings (it draws its drafts inside its graph, which bakes
+        them in)."""
+        key = (id(drafter), tuple(sampling))
         runner = self.runners.get(key)
         if runner is None or runner.drafter is not drafter:
-            runner = DrafterRunner(drafter, self.engine, sampling if chained else (0.0, 1.0, 0), generator)
+            runner = DrafterRunner(drafter, self.engine, sampling, generator)
             if self.graphs and self.capture_error is None:
                 self._capture(runner)
             self.runners[key] = runner
         runner.generator = generator
         return runner
 
-    def greedy_round(self, runner: DrafterRunner) -> GreedyRound:
-        """The one-step greedy round of `runner` with its current `refine` (its graph bakes in the passes)."""
-        key = (id(runner), runner.refine)
+    def one_step_round(self, runner: DrafterRunner, verify: str = "block") -> OneStepRound:
+        """The one-step round of `runner` with its current `refine` and this verification rule (its graph bakes
+        both in)."""
+        key = (id(runner), runner.refine, verify)
         found = self.rounds.get(key)
         if found is None or found.runner is not runner:
-            found = GreedyRound(self.engine, runner)
+            found = OneStepRound(self.engine, runner, verify)
             if self.graphs and self.capture_error is None:
                 self._capture(found)
             self.rounds[key] = found
@@ -270,8 +268,8 @@ def engine_decode(
         runner.refine = tuple(refine)
     if mtp is not None:
         runner = sess.mtp_runner(mtp, num_drafts, sampling, generator)
-    # Greedy drafter rounds run as one step (rounds.py), captured here, before the prefill fills the caches.
-    greedy = sess.greedy_round(runner) if isinstance(runner, DrafterRunner) and temperature <= 0 else None
+    # A drafter's rounds run as one step (rounds.py), captured here, before the prefill fills the caches.
+    one_step = sess.one_step_round(runner, verify) if isinstance(runner, DrafterRunner) else None
     result.backend = "engine+graphs" if sess.captured else "engine"
     stops = set(stop_token_ids or ())
 
@@ -296,44 +294,35 @@ def engine_decode(
         want = min(num_drafts, max_new_tokens - len(result.tokens) - 1)
         result.num_target_forwards += 1
         confidence = []
-        if want > 0 and greedy is not None:
+        offered = 0
+        if want > 0 and one_step is not None:
             if not drafted:
-                greedy.start()
+                one_step.start()
                 runner.draft()
             # The next round enqueued before this one is read where one surely follows (this one emits at most
             # num_drafts + 1 tokens, and the next wants at least one draft), unless a stop token ends it.
             ahead = len(result.tokens) + num_drafts + 2 < max_new_tokens
-            new, confidence = greedy.emit(want, ahead)
+            new, confidence = one_step.emit(want, ahead)
             drafted, offered = True, want
+        elif want > 0 and mtp is not None:
+            if not drafted:
+                runner.draft()
+            drafts, draft_probs = runner.drafts[:want], None if runner.probs is None else runner.probs[:want]
+            engine.verify_ids[:1].copy_(runner.block_ids[:1])
+            # Draft the next chain before reading this round's result when a next round surely follows.
+            drafted = len(result.tokens) + want + 2 < max_new_tokens
+            new = rounds.verify_round(engine, runner, drafts, draft_probs, sampling, generator, drafted, verify)
+            offered = want
         else:
-            drafts = draft_probs = None
-            if want > 0 and runner is not None:
-                if not drafted:
-                    runner.draft()
-                if temperature > 0 and runner.probs is not None:  # drawn inside the step: each draft feeds the next
-                    drafts, draft_probs = runner.drafts[:want], runner.probs[:want]
-                elif temperature > 0:
-                    draft_probs = sampling_probs(runner.logits[:want], *sampling)
-                    drafts = sample(draft_probs, generator)
-                else:
-                    drafts = runner.drafts[:want]
-                engine.verify_ids[:1].copy_(runner.block_ids[:1])
-            elif want > 0 and lookup is not None:
+            proposed = None
+            if want > 0 and lookup is not None:
                 proposed, _ = lookup.propose(torch.tensor(history), want)
-                if proposed is not None:
-                    drafts = proposed.to(device)
-                    engine.verify_ids[0] = last
-            offered = 0 if drafts is None else drafts.shape[0]
-            if drafts is None:
+            if proposed is None:
                 new = [_decode_step(engine, last, sampling, generator)]
             else:
-                want = drafts.shape[0]
-                # Draft the next block before reading this round's result when a next round surely follows.
-                ahead = runner is not None and len(result.tokens) + want + 2 < max_new_tokens
-                new, confidence = rounds.verify_round(
-                    engine, runner, drafts, draft_probs, sampling, generator, ahead, verify
-                )
-                drafted = ahead
+                engine.verify_ids[0] = last
+                new = rounds.verify_round(engine, None, proposed.to(device), None, sampling, generator, False, verify)
+                offered = proposed.shape[0]
         for i in range(offered):
             result.position_offered[i] += 1
             result.position_accepted[i] += i < len(new) - 1

@@ -7,7 +7,7 @@ import torch
 from flashdraft.speculative import autoregressive_generate, generate, prompt_lookup_generate
 from flashdraft.speculative.engine import session
 from flashdraft.speculative.engine.drafter_runner import DrafterRunner
-from flashdraft.speculative.engine.rounds import GreedyRound
+from flashdraft.speculative.engine.rounds import OneStepRound
 
 from .. import one_thread, random_drafter, ready, reference_greedy, tiny_target  # noqa: F401 (autouse fixture)
 from ..test_sampling import CASES, P_MIN, _sample_tokens_2_and_3
@@ -145,9 +145,9 @@ def test_every_acceptance_length_and_stops(setup, block_size, error_rate):
                 target, prompt.shape[1] + max_new, block_size, list(drafter.target_layer_ids), graphs
             )
             scripted = ScriptedRunner(drafter, sess.engine, prompt[0].tolist() + expected, error_rate, seed=i)
-            sess.runners[(id(drafter), None)] = scripted
+            sess.runners[(id(drafter), (0.0, 1.0, 0))] = scripted
             # Its round uncaptured, as the runner is: the script is read on the host.
-            sess.rounds[(id(scripted), ())] = GreedyRound(sess.engine, scripted)
+            sess.rounds[(id(scripted), (), "block")] = OneStepRound(sess.engine, scripted)
             result = generate(target, drafter, prompt, max_new, block_size=block_size, engine=True)
             assert result.tokens == expected, f"prompt {i}"
             _check_stats(result, block_size)
@@ -185,7 +185,7 @@ def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monke
     drafter = DFlashDraftModel.from_pretrained(bundled.drafter_dir(), dtype=torch.float64).eval()
     tokenizer = bundled.load_tokenizer()
     drafts = {"engine": [], "plain": []}
-    read, propose = GreedyRound.read, plain_loop.DFlashProposer.propose
+    read, propose = OneStepRound.read, plain_loop.DFlashProposer.propose
 
     def engine_round(greedy):
         values = read(greedy)
@@ -197,7 +197,7 @@ def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monke
         drafts["plain"][-1].append(proposed.tolist())
         return proposed, probs
 
-    monkeypatch.setattr(GreedyRound, "read", engine_round)
+    monkeypatch.setattr(OneStepRound, "read", engine_round)
     monkeypatch.setattr(plain_loop.DFlashProposer, "propose", plain_round)
     lines = bundled.eval_prompts().read_text().splitlines()[:4]
     accepted = rounds = 0
