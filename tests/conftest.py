@@ -26,6 +26,15 @@ VERSION_SENSITIVE = (
 _TESTS = Path(__file__).resolve().parent
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`-n`), each worker's torch takes its share of the cores, not all of them each."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.resolve().relative_to(_TESTS).as_posix().startswith(VERSION_SENSITIVE):
