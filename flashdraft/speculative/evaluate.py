@@ -204,7 +204,8 @@ def evaluate(
     if engine:
         # Caches sized for the longest prompt and graphs captured once, outside the timed runs.
         lengths = tuple(p.input_ids.shape[-1] for _, group in sets for p in group)
-        prepare(target, max(lengths) + max_new_tokens, block_size, drafter, prompt_lengths=lengths)
+        sampling = (temperature, 1.0, 0)  # the settings `decode` runs with
+        prepare(target, max(lengths) + max_new_tokens, block_size, drafter, prompt_lengths=lengths, sampling=sampling)
     # Warm-up (allocator, lazy imports, autotuned kernels) so that the first timed prompt is not penalised. A few
     # blocks' worth of tokens also reaches some of the wider verifications that deferred tokens make.
     for method in methods:

@@ -90,7 +90,8 @@ class Session:
     def runner(self, drafter: torch.nn.Module, sampling=(0.0, 1.0, 0), generator=None) -> DrafterRunner:
         """The runner of `drafter` with these sampling settings (it draws its drafts inside its graph, which bakes
         them in)."""
-        key = (id(drafter), tuple(sampling))
+        sampling = tuple(sampling) if sampling[0] > 0 else (0.0, 1.0, 0)  # greedy ignores top-p and top-k
+        key = (id(drafter), sampling)
         runner = self.runners.get(key)
         if runner is None or runner.drafter is not drafter:
             runner = DrafterRunner(drafter, self.engine, sampling, generator)
@@ -180,13 +181,15 @@ def prepare(
     drafter: torch.nn.Module | None = None,
     graphs=None,
     prompt_lengths: tuple[int, ...] = (),
+    sampling: tuple[float, float, int] = (0.0, 1.0, 0),
 ) -> Session:
     """Build (and capture) the session that decoding up to `max_len` tokens will use, ahead of timed runs, with
-    the prefill graphs of prompts of `prompt_lengths` tokens."""
+    the prefill graphs of prompts of `prompt_lengths` tokens (the drafter's, for its runner of these `sampling`
+    settings)."""
     graphs = next(target.parameters()).device.type == "cuda" if graphs is None else graphs
     layers = list(drafter.target_layer_ids) if drafter is not None else None
     sess = session(target, max_len, verify_width(block_size, drafter), layers, graphs)
-    runner = sess.runner(drafter) if drafter is not None else None
+    runner = sess.runner(drafter, sampling) if drafter is not None else None
     if sess.engine.captured:
         sess.engine.capture_prefill(prompt_lengths)
         if runner is not None:

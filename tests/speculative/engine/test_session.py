@@ -247,6 +247,26 @@ def test_sessions_are_reused_and_grown():
         assert session.session(target, 10, 8, None, graphs=False).engine.max_len >= 600
 
 
+def test_prepare_builds_the_runner_and_round_that_decoding_uses():
+    """`prepare` with the sampling settings of the decodes to come builds the runner they use (on a GPU its graphs
+    and prefill widths are captured there, outside timed runs); greedy decodes share one runner whatever their
+    top-p and top-k."""
+    target = tiny_target("qwen3", seed=0)
+    drafter = random_drafter(target, block_size=4)
+    prompt = torch.tensor([[1, 2, 3]])
+    with ready(target):
+        sess = session.prepare(target, 64, 4, drafter, graphs=False, sampling=(1.0, 1.0, 0))
+        (sampled,) = sess.runners.values()
+        g = torch.Generator().manual_seed(0)
+        generate(target, drafter, prompt, 8, temperature=1.0, generator=g, block_size=4, engine=True)
+        assert list(sess.runners.values()) == [sampled] and sampled.probs is not None
+        assert [r.runner for r in sess.rounds.values()] == [sampled]
+        for top_p, top_k in [(1.0, 0), (0.9, 5)]:
+            generate(target, drafter, prompt, 8, top_p=top_p, top_k=top_k, block_size=4, engine=True)
+        assert len(sess.runners) == 2 and len(sess.rounds) == 2
+    session.drop_session(target)
+
+
 def test_engine_flag():
     moe = tiny_target("qwen3_5_moe", seed=0)
     drafter = random_drafter(moe, block_size=4)
