@@ -6,8 +6,9 @@ and 8192, measures:
   anchors   transformers eager decode step and 16-token verification (fast path on: fla + flashdraft conv),
             one round of the reference `dflash.model.dflash_generate` (draft, verify 16, crop)
   engine    flashdraft.speculative.engine with CUDA graphs: decode step, verify 16, draft, commit, and a full round
-            (draft + verify + acceptance + exact rollback as one step, then the one host read), as greedy `generate`
-            runs it; beside it the same round of separate steps (three replays, acceptance eager: the anchor)
+            (draft + verify + acceptance + exact rollback as one step, then the one host read), as `generate` runs
+            it, greedy and sampled; beside it the same greedy round of separate steps (three replays, acceptance
+            eager: the anchor)
   checks    engine logits vs transformers' on the same weights (prefill and a decode step); DFlash output vs the
             engine's own autoregressive greedy output (bf16), with the logits at the first difference (near-tie?)
 Random drafts are rejected, so a round keeps one token: its cost is that of every round (fixed shapes). The ratio
@@ -36,6 +37,7 @@ CONTEXTS = (1024, 8192)
 SMOKE_CONTEXTS = (24, 80)
 BLOCK = 16
 ROUNDS = 8  # rounds per timed call of the round measurement
+SAMPLED = (1.0, 1.0, 0)  # the sampled round's settings (temperature, top-p, top-k)
 
 
 def run_header(smoke: bool, layers: int, graphs: bool) -> dict:
@@ -144,15 +146,17 @@ def engine_numbers(target, drafter, ids: torch.Tensor, graphs: bool, iters: int)
     from flashdraft.speculative.engine import rounds as loop
     from flashdraft.speculative.engine import session
 
-    # Room for both timed kinds of round (a random drafter's round keeps about one token).
-    sess = session.session(
-        target, ids.shape[1] + 2 * (ROUNDS + 4) * (iters + 2) + 4 * BLOCK, BLOCK, list(drafter.target_layer_ids), graphs
-    )
+    # Room for the timed rounds: greedy, a random drafter's round keeps about one token; sampled, up to a block.
+    room = (2 + BLOCK) * (ROUNDS + 4) * (iters + 2) + 4 * BLOCK
+    sess = session.session(target, ids.shape[1] + room, BLOCK, list(drafter.target_layer_ids), graphs)
     engine, runner = sess.engine, sess.runner(drafter)
-    greedy = sess.one_step_round(runner)  # captured before the prefill, as generation captures it
+    sampler = sess.runner(drafter, SAMPLED, torch.Generator(ids.device).manual_seed(0))
+    # Captured before the prefill, as generation captures them.
+    greedy, sampled = sess.one_step_round(runner), sess.one_step_round(sampler)
     logits = engine.prefill(ids[0])
-    runner.prefill(engine.prompt_features)
-    runner.block_ids[0] = int(logits.argmax())
+    for drafting in (runner, sampler):
+        drafting.prefill(engine.prompt_features)
+        drafting.block_ids[0] = int(logits.argmax())
     out = {"slots": engine.slots, "captured": sess.captured, "capture_error": sess.capture_error}
 
     def round_(ahead: bool):
@@ -173,15 +177,16 @@ def engine_numbers(target, drafter, ids: torch.Tensor, graphs: bool, iters: int)
             round_(ahead=i + 1 < ROUNDS)
         engine.join()
 
-    def one_step_rounds():
-        # What greedy generation runs: each round one step (one graph replay) and one read, the next round
-        # enqueued before this one is read.
-        greedy.start()
-        runner.draft()
+    def one_step_rounds(rnd=greedy):
+        # What generation runs: each round one step (one graph replay) and one read, the next round enqueued
+        # before this one is read.
+        rnd.start()
+        rnd.runner.draft()
         for i in range(ROUNDS):
-            greedy.emit(BLOCK - 1, ahead=i + 1 < ROUNDS)
+            rnd.emit(BLOCK - 1, ahead=i + 1 < ROUNDS)
 
     out["round_ms"] = timed_ms(one_step_rounds, iters) / ROUNDS
+    out["round_sampled_ms"] = timed_ms(lambda: one_step_rounds(sampled), iters) / ROUNDS
     out["round_steps_ms"] = timed_ms(rounds, iters) / ROUNDS
     out["draft_ms"] = timed_ms(runner.draft, iters)
     out["verify16_ms"] = timed_ms(engine.verify, iters)
@@ -427,6 +432,10 @@ def print_table(report: dict, smoke: bool) -> None:
     )
     row("**engine round** (draft + verify + accept + commit as one step, one read)", lambda r: r["engine"]["round_ms"])
     row("round / engine decode step", lambda r: r["engine"]["round_ms"] / r["engine"]["decode_ms"])
+    row(
+        f"engine round sampled (T={SAMPLED[0]:g}, block verification; draws before the step)",
+        lambda r: r["engine"]["round_sampled_ms"],
+    )
     row("engine decode speedup vs transformers", lambda r: r["hf"]["decode_ms"] / r["engine"]["decode_ms"], "{:.1f}x")
     row(
         "engine round speedup vs dflash_generate",
