@@ -1,8 +1,13 @@
 """Settings and fixtures of the whole test session.
 
 `pytest -m versions` selects the tests whose outcome depends on the installed torch / transformers / triton
-releases: what CI runs again on the oldest supported set (.ci/run). They are chosen by path, here, so that a new
-test in these places is included without remembering a marker.
+releases: what CI runs again on the oldest supported set (.ci/run), less the `distribution` tests (chi-square tests
+of sampled decoding: the arithmetic they check is the same on every release, and the greedy and cache tests of the
+same loops run there). They are chosen by path, here, so that a new test in these places is included without
+remembering a marker.
+
+The `slow` and `distribution` tests are collected first: a run split over workers (pytest-xdist) then does not end
+waiting on one of them.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.resolve().relative_to(_TESTS).as_posix().startswith(VERSION_SENSITIVE):
             item.add_marker(pytest.mark.versions)
+    items.sort(key=lambda item: not any(item.get_closest_marker(m) for m in ("slow", "distribution")))
 
 
 @pytest.fixture(scope="session")

@@ -213,6 +213,7 @@ def _sample_tokens_2_and_3(biased: bool, monkeypatch, trials: int = 1500) -> tup
     return chi_square_pvalue(counts, expected), accepted_any, trials
 
 
+@pytest.mark.distribution
 @pytest.mark.slow
 def test_mtp_sampling_equals_target_distribution(monkeypatch):
     pvalue, accepted_any, trials = _sample_tokens_2_and_3(False, monkeypatch)
@@ -220,6 +221,7 @@ def test_mtp_sampling_equals_target_distribution(monkeypatch):
     assert 0.05 * trials < accepted_any < 0.95 * trials  # both acceptance and rejection were exercised
 
 
+@pytest.mark.distribution
 @pytest.mark.slow
 def test_the_sampling_check_detects_drafts_verified_against_the_wrong_q(monkeypatch):
     # p ~1e-6 at 500 trials and ~1e-116 at 1500 (seeded): 1000 keep a wide margin below P_MIN.

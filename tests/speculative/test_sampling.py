@@ -459,6 +459,7 @@ DRAFTERS = {
 }
 
 
+@pytest.mark.distribution
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_equals_target_distribution(case):
     pvalue, accepted_any, trials = _sample_tokens_2_and_3(*CASES[case])
@@ -467,6 +468,7 @@ def test_speculative_sampling_equals_target_distribution(case):
     assert 0.05 * trials < accepted_any < 0.95 * trials  # both acceptance and rejection were exercised
 
 
+@pytest.mark.distribution
 @pytest.mark.parametrize("verify", ["block", "token"])
 def test_dspark_verifying_drafts_by_confidence_keeps_the_target_distribution(verify, monkeypatch):
     """DSpark's rounds cut short by its confidence head (`verify_length=confidence`, under a cost that makes the rule
@@ -490,6 +492,7 @@ def test_dspark_verifying_drafts_by_confidence_keeps_the_target_distribution(ver
     assert 0.05 * trials < accepted_any < 0.95 * trials
 
 
+@pytest.mark.distribution
 def test_a_dspark_proposal_read_without_its_markov_bias_is_detected(monkeypatch):
     """The check above can fail: verifying DSpark's chained drafts against the backbone's own distributions (what
     its drafts were not drawn from) gives the wrong output distribution, and the test sees it."""
@@ -508,6 +511,7 @@ def test_a_dspark_proposal_read_without_its_markov_bias_is_detected(monkeypatch)
     assert pvalue < P_MIN, f"a wrong proposal distribution went undetected (p-value {pvalue:.3g})"
 
 
+@pytest.mark.distribution
 def test_a_dflash2_proposal_read_over_the_whole_vocabulary_is_detected(monkeypatch):
     """The selector's proposal is supported on its candidates only: verifying its drafts against the same scores
     spread over the whole vocabulary (the backbone's logits off the candidates) gives the wrong output distribution."""

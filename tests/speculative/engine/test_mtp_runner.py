@@ -81,6 +81,7 @@ def test_max_new_tokens_and_stop_tokens(setup):
         assert result.tokens == cut and result.stopped
 
 
+@pytest.mark.distribution
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_mtp_sampling_on_the_engine_equals_target_distribution(config):

@@ -226,6 +226,7 @@ def test_engine_drafts_what_the_plain_loop_drafts_with_the_shipped_drafter(monke
     assert accepted / rounds > 1.5  # a drafter that is read wrongly (or a random one) accepts ~0
 
 
+@pytest.mark.distribution
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("case", [case for case, (*_, refine, _, _) in CASES.items() if not refine])
 def test_speculative_sampling_equals_target_distribution(case, config):
