@@ -88,16 +88,15 @@ def next_token(
     return sample(sampling_probs(logits, temperature, top_p, top_k), generator)
 
 
-def gumbel_noise(shape, generator: torch.Generator | None, device) -> torch.Tensor:
-    """Gumbel(0, 1) noise: argmax(log q + noise) is an exact draw from q. Drawn before a captured step, so that the
-    step itself holds no random state (`gumbel_pick`)."""
-    uniform = torch.rand(shape, generator=generator, device=device)
-    return -torch.log(-torch.log(uniform))
+def draw_gumbel_(noise: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Fill `noise` with Gumbel(0, 1) draws, in place: argmax(log q + noise) is an exact draw from q. Drawn before a
+    captured step, so that the step itself holds no random state (`gumbel_pick`)."""
+    return noise.uniform_(generator=generator).log_().neg_().log_().neg_()
 
 
 def gumbel_draw(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """A draw from each row of `probs` (`[..., V]` -> `[...]`) made with pre-drawn Gumbel `noise` of the same shape
-    (`gumbel_noise`): a token of probability 0 is never drawn."""
+    (`draw_gumbel_`): a token of probability 0 is never drawn."""
     return (probs.log() + noise).argmax(dim=-1)
 
 

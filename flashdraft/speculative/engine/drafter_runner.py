@@ -32,7 +32,7 @@ from flashdraft.drafter.conv import around
 from flashdraft.speculative.engine import ops
 from flashdraft.speculative.engine.graphs import Step, capture_all, capture_or_warn
 from flashdraft.speculative.engine.target_runner import TargetEngine
-from flashdraft.speculative.sampling import gumbel_draw, gumbel_noise, gumbel_pick, sampling_probs, validate_sampling
+from flashdraft.speculative.sampling import draw_gumbel_, gumbel_draw, gumbel_pick, sampling_probs, validate_sampling
 
 
 class DrafterRunner:
@@ -161,7 +161,7 @@ class DrafterRunner:
     def draw_noise(self) -> None:
         """The noise of the next step's draws, when sampling (a round that drafts inside its own step calls it)."""
         if self.noise is not None:
-            self.noise.copy_(gumbel_noise(self.noise.shape, self.generator, self.device))
+            draw_gumbel_(self.noise, self.generator)
 
     def note_verified(self, accepted: torch.Tensor, bonus: torch.Tensor) -> None:
         """After a verification that accepted `accepted` drafts and emitted `bonus` (0-d device tensors): the

@@ -28,7 +28,7 @@ from flashdraft.speculative.engine import ops
 from flashdraft.speculative.engine.graphs import Step, capture_all
 from flashdraft.speculative.engine.mixers import attention
 from flashdraft.speculative.engine.target_runner import TargetEngine
-from flashdraft.speculative.sampling import gumbel_noise, gumbel_pick, validate_sampling
+from flashdraft.speculative.sampling import draw_gumbel_, gumbel_pick, validate_sampling
 
 
 class MTPRunner:
@@ -112,7 +112,7 @@ class MTPRunner:
     def draft(self) -> None:
         """Add the pending positions, then draft the chain after `block_ids[0]`: `drafts`, `logits` (and `probs`)."""
         if self.noise is not None:
-            self.noise.copy_(gumbel_noise(self.noise.shape, self.generator, self.device))
+            draw_gumbel_(self.noise, self.generator)
         self.step()
 
     @torch.inference_mode()

@@ -32,8 +32,8 @@ from flashdraft.speculative.engine.drafter_runner import DrafterRunner
 from flashdraft.speculative.engine.graphs import Step, capture_all
 from flashdraft.speculative.engine.target_runner import TargetEngine
 from flashdraft.speculative.sampling import (
+    draw_gumbel_,
     gumbel_draw,
-    gumbel_noise,
     rejection_sample_tensors,
     sampling_probs,
     validate_verify,
@@ -99,7 +99,7 @@ class OneStepRound:
         if self.sampling is not None:  # enqueued after the round before it, which read the last draws
             generator = self.runner.generator
             self.uniforms.uniform_(generator=generator)
-            self.noise.copy_(gumbel_noise(self.noise.shape, generator, self.noise.device))
+            draw_gumbel_(self.noise, generator)
             self.runner.draw_noise()
         self.step()
         slot, cuda = self._slot, self.events is not None
