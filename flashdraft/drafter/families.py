@@ -27,6 +27,8 @@ from flashdraft.drafter.selector import CandidateSelector
 @dataclass(frozen=True)
 class Family:
     name: str
+    title: str
+    """How reports name it."""
     architecture: str
     """The `architectures` entry flashdraft writes."""
     also_reads: tuple[str, ...] = ()
@@ -45,9 +47,9 @@ DSPARK_FIELDS = {
 # The published DFlash2 checkpoints' values.
 DFLASH2_FIELDS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 FAMILIES = {
-    "dflash": Family("dflash", "DFlashDraftModel"),
-    "dspark": Family("dspark", "DSparkDraftModel", ("Qwen3DSparkModel",), DSPARK_FIELDS),
-    "dflash2": Family("dflash2", "DFlash2DraftModel", (), DFLASH2_FIELDS),
+    "dflash": Family("dflash", "DFlash", "DFlashDraftModel"),
+    "dspark": Family("dspark", "DSpark", "DSparkDraftModel", ("Qwen3DSparkModel",), DSPARK_FIELDS),
+    "dflash2": Family("dflash2", "DFlash2", "DFlash2DraftModel", (), DFLASH2_FIELDS),
 }
 # Qwen3 fields a new drafter of the family gets unless the caller sets them: the published DFlash2 drafters' layers
 # are all sliding (window 2048) and see their whole block both ways (a sliding layer is causal without `is_causal`).

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashdraft.drafter.families import family_of
 from flashdraft.speculative.baselines import autoregressive_generate, mtp_generate, prompt_lookup_generate
 from flashdraft.speculative.context import ContextFiller
 from flashdraft.speculative.engine.session import prepare, verify_width
@@ -220,6 +221,8 @@ def evaluate(
     mismatches = {m: sum(run.mismatches[m] for run in runs) for m in methods if m != "autoregressive"}
     report = {
         **_summary(main.overall, len(prompts)),
+        # The drafter's family names it in the report; its method key stays "dflash".
+        "drafter_family": family_of(getattr(drafter, "config", None)),
         "per_prompt": main.rows,
         "slow_prompts": slow_prompts(main.rows),
         "per_position_acceptance": dflash.position_acceptance,

@@ -3,8 +3,9 @@
     print_report(report)              # DFlash overall and per category; every method side by side; context lengths
     write_plot(report, "eval.png")    # DFlash's acceptance lengths, every method's acceptance by position and tau
 
-Columns: PL is prompt lookup, AR autoregressive decoding, `x AR` / `x PL` DFlash's end-to-end speedup over them,
-`ceiling` tau x AR's decode step / DFlash's round; in the table of every method, the speedup is each method's over
+The drafter is named by its family (DFlash, DSpark, DFlash2; its method key stays "dflash"). Columns: PL is prompt
+lookup, AR autoregressive decoding, `x AR` / `x PL` the drafter's end-to-end speedup over them, `ceiling` tau x AR's
+decode step / the drafter's round; in the table of every method, the speedup is each method's over
 autoregressive decoding. Then where the time goes, per method: the mean prefill (time to the first token) and first
 round, the median steady round (per prompt, the median of its rounds after the first), and the steady-state speedup
 (decode phase, prefill excluded: the measured ceiling) beside the end-to-end one; a warning names the prompts whose
@@ -18,6 +19,8 @@ import math
 import sys
 from pathlib import Path
 
+from flashdraft.drafter.families import FAMILIES
+
 LABELS = {"dflash": "DFlash", "mtp": "MTP", "prompt_lookup": "prompt lookup", "autoregressive": "autoregressive"}
 # One colour per method in every panel of the plot.
 COLORS = {"dflash": "tab:blue", "mtp": "tab:green", "prompt_lookup": "tab:orange", "autoregressive": "tab:gray"}
@@ -27,7 +30,14 @@ def _fmt(value: float, digits: int = 2, suffix: str = "") -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}{suffix}"
 
 
+def _drafter(report: dict) -> str:
+    """The drafter's family as reports name it (reports written before the family was recorded: DFlash)."""
+    return FAMILIES[report.get("drafter_family", "dflash")].title
+
+
 def _label(report: dict, method: str) -> str:
+    if method == "dflash":
+        return _drafter(report)
     return LABELS[method] + (f" ({report['mtp_drafts']} drafts)" if method == "mtp" else "")
 
 
@@ -39,7 +49,8 @@ def print_report(report: dict, console=None) -> None:
 
     # Written to a file or a pipe, rich would assume 80 columns and cut the numbers to "3.…": 11 columns need ~120.
     console = console or Console(width=None if sys.stdout.isatty() else 140)
-    title = f"DFlash, block {report['block_size']}, temperature {report['temperature']}"
+    drafter = _drafter(report)
+    title = f"{drafter}, block {report['block_size']}, temperature {report['temperature']}"
     if report.get("refine"):
         title += f", {len(report['refine']) + 1} passes"
     if report.get("verify"):
@@ -47,7 +58,8 @@ def print_report(report: dict, console=None) -> None:
     if report.get("verify_length", "full") != "full":
         title += f", drafts verified by {report['verify_length']}"
     table = Table(title=title)
-    columns = ("set", "n", "tau", "p95", "DFlash tok/s", "AR tok/s", "PL tok/s", "PL tau", "x AR", "ceiling", "x PL")
+    speeds = (f"{drafter} tok/s", "AR tok/s", "PL tok/s", "PL tau", "x AR", "ceiling", "x PL")
+    columns = ("set", "n", "tau", "p95", *speeds)
     for column in columns:
         table.add_column(column, justify="left" if column == "set" else "right", no_wrap=column == "set")
     rows = [("overall", report)] + list(report["per_category"].items())
@@ -73,12 +85,12 @@ def print_report(report: dict, console=None) -> None:
         verified = report["methods"]["dflash"]["drafts_verified_per_round"]
         console.print(f"drafts verified per round: {_fmt(verified)} of {len(report['per_position_acceptance'])}")
     console.print(
-        f"decode step {_fmt(report['decode_step_ms'])} ms (AR), DFlash round {_fmt(report['round_ms'])} ms "
+        f"decode step {_fmt(report['decode_step_ms'])} ms (AR), {drafter} round {_fmt(report['round_ms'])} ms "
         f"({report.get('backend', '?')}): implied ceiling tau x step / round = {_fmt(report['implied_ceiling'])}x, "
         f"measured speedup {_fmt(report['speedup'])}x (prompt processing included)"
     )
     console.print(
-        f"DFlash: prefill {_fmt(report.get('prefill_ms'))} ms per prompt, steady-state speedup "
+        f"{drafter}: prefill {_fmt(report.get('prefill_ms'))} ms per prompt, steady-state speedup "
         f"{_fmt(report.get('steady_speedup'))}x (decode phase, prefill excluded: the ceiling), end-to-end speedup "
         f"{_fmt(report['speedup'])}x"
     )
@@ -91,7 +103,7 @@ def print_report(report: dict, console=None) -> None:
         _print_context_lengths(report, console)
     _warn_slow_prompts(report, console)
     if report["greedy_mismatches"]:
-        which = ", ".join(f"{LABELS[m]} {n}" for m, n in report["greedy_mismatches_by_method"].items() if n)
+        which = ", ".join(f"{_label(report, m)} {n}" for m, n in report["greedy_mismatches_by_method"].items() if n)
         console.print(
             f"[yellow]warning: prompts decoded differently from autoregressive greedy decoding: {which} (expected "
             "only from low-precision near-ties)[/yellow]"
@@ -158,7 +170,7 @@ def _warn_slow_prompts(report: dict, console) -> None:
     slow.sort(key=lambda entry: -entry[1]["times_median"])  # the slowest first; a loaded machine flags many
     shown, rest = slow[:SLOW_SHOWN], len(slow) - SLOW_SHOWN
     lines = [
-        f"  {LABELS[r['method']]}, prompt {r['prompt'] + 1} ({r['category']}, {r['prompt_tokens']} tokens"
+        f"  {_label(report, r['method'])}, prompt {r['prompt'] + 1} ({r['category']}, {r['prompt_tokens']} tokens"
         + ("" if length is None else f", context {length}")
         + f", {r['backend']}): steady round {_fmt(r['steady_round_ms'])} ms, {_fmt(r['times_median'], 1)}x the "
         f"median {_fmt(r['median_steady_round_ms'])} ms; prefill {_fmt(r['prefill_ms'])} ms, first round "
@@ -205,8 +217,8 @@ def _print_context_lengths(report: dict, console) -> None:
     table.add_column("prompt tokens", justify="right")
     methods = [m for m in report["methods_run"] if m != "autoregressive"]
     for method in methods:
-        table.add_column(f"{LABELS[method]} tau", justify="right")
-        table.add_column(f"{LABELS[method]} x AR", justify="right")
+        table.add_column(f"{_label(report, method)} tau", justify="right")
+        table.add_column(f"{_label(report, method)} x AR", justify="right")
     for row in report["context_lengths"]:
         cells = [str(row["context_length"]), _fmt(row["prompt_tokens_mean"], 0)]
         for method in methods:
@@ -246,19 +258,19 @@ def write_plot(report: dict, path: str | Path) -> None:
     left.set(
         xlabel="tokens per verification (acceptance length)",
         ylabel="rounds",
-        title=f"DFlash acceptance length, tau = {_fmt(report['tau'])}",
+        title=f"{_drafter(report)} acceptance length, tau = {_fmt(report['tau'])}",
     )
     speculative = [m for m in report["methods"] if m != "autoregressive"]
     for method in speculative:
         rates = report["methods"][method]["per_position_acceptance"]
-        middle.plot(range(1, len(rates) + 1), rates, marker="o", color=COLORS[method], label=LABELS[method])
+        middle.plot(range(1, len(rates) + 1), rates, marker="o", color=COLORS[method], label=_label(report, method))
     middle.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05), title="acceptance by draft position")
     middle.legend()
     if report.get("context_lengths"):
         lengths = [row["context_length"] for row in report["context_lengths"]]
         for method in speculative:
             taus = [row["methods"][method]["tau"] for row in report["context_lengths"]]
-            right.plot(lengths, taus, marker="o", color=COLORS[method], label=LABELS[method])
+            right.plot(lengths, taus, marker="o", color=COLORS[method], label=_label(report, method))
         right.set(xscale="log", xlabel="context length (tokens)", ylabel="tau", title="tau by context length")
         right.set_xticks(lengths, [str(n) for n in lengths])
         right.minorticks_off()
@@ -266,7 +278,7 @@ def write_plot(report: dict, path: str | Path) -> None:
     else:
         methods = list(report["methods"])
         taus = [report["methods"][m]["tau"] for m in methods]
-        bars = right.bar([LABELS[m] for m in methods], taus, color=[COLORS[m] for m in methods])
+        bars = right.bar([_label(report, m) for m in methods], taus, color=[COLORS[m] for m in methods])
         right.bar_label(bars, labels=[_fmt(report["methods"][m]["speedup"], 2, "x") for m in methods])
         right.margins(y=0.12)  # room for the labels above the tallest bar
         right.set(ylabel="tau (bar labels: speedup over AR)", title="tau per method")
