@@ -80,7 +80,8 @@ def print_report(report: dict, console=None) -> None:
         )
     console.print(table)
     rates = " ".join(_fmt(r, 2) for r in report["per_position_acceptance"])
-    console.print(f"per-position acceptance (draft 1..{report['block_size'] - 1}): {rates}")
+    # A DSpark drafter whose anchor slot drafts too offers block_size drafts, others block_size - 1.
+    console.print(f"per-position acceptance (draft 1..{len(report['per_position_acceptance'])}): {rates}")
     if report.get("verify_length", "full") != "full":
         verified = report["methods"]["dflash"]["drafts_verified_per_round"]
         console.print(f"drafts verified per round: {_fmt(verified)} of {len(report['per_position_acceptance'])}")

@@ -507,6 +507,7 @@ def test_eval_of_a_dspark_drafter_reports_its_confidence_calibration(tmp_path, c
     # The report names the drafter by its family, and the JSON says which it is.
     assert report["drafter_family"] == "dspark"
     assert "DSpark, block 4, temperature 0.0" in printed and "DFlash" not in printed
+    assert "per-position acceptance (draft 1..4):" in printed  # its anchor's slot drafts too
     # Prompt lookup verifies as wide a block as the drafter (its anchor slot drafts: one token more).
     assert len(report["methods"]["prompt_lookup"]["per_position_acceptance"]) == 4
 
