@@ -1,7 +1,7 @@
 """The report of `flashdraft eval` (`flashdraft.speculative.evaluate.evaluate`'s dict) as tables and as a plot.
 
-    print_report(report)              # DFlash overall and per category; every method side by side; context lengths
-    write_plot(report, "eval.png")    # DFlash's acceptance lengths, every method's acceptance by position and tau
+    print_report(report)              # the drafter overall and per category; every method side by side; context lengths
+    write_plot(report, "eval.png")    # the drafter's acceptance lengths, every method's acceptance by position and tau
 
 The drafter is named by its family (DFlash, DSpark, DFlash2; its method key stays "dflash"). Columns: PL is prompt
 lookup, AR autoregressive decoding, `x AR` / `x PL` the drafter's end-to-end speedup over them, `ceiling` tau x AR's
