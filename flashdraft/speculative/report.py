@@ -21,7 +21,8 @@ from pathlib import Path
 
 from flashdraft.drafter.families import FAMILIES
 
-LABELS = {"dflash": "DFlash", "mtp": "MTP", "prompt_lookup": "prompt lookup", "autoregressive": "autoregressive"}
+# The baselines' names; the drafter ("dflash") is named by its family (`_drafter`).
+LABELS = {"mtp": "MTP", "prompt_lookup": "prompt lookup", "autoregressive": "autoregressive"}
 # One colour per method in every panel of the plot.
 COLORS = {"dflash": "tab:blue", "mtp": "tab:green", "prompt_lookup": "tab:orange", "autoregressive": "tab:gray"}
 
